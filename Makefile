@@ -1,0 +1,40 @@
+# make run   : the main job (creates .venv on first use)
+# make test  : lint, type-check and the test suite (what CI runs)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.paratrain-installed
+
+.PHONY: run test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# a CPU-only machine takes the CPU build of torch; one with a GPU gets pip's default (CUDA) build
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install --quiet 'torch>=2.4'; \
+	else \
+		$(PY) -m pip install --quiet torch==2.13.0; \
+	fi
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/paratrain demo
+
+test: lint typecheck unit
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks examples scripts
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_data_parallel.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

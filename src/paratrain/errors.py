@@ -1,0 +1,66 @@
+"""The exceptions paratrain raises.
+
+Every error a user can cause says what was expected, what was found, and what to do. Each type also
+derives from the builtin that code written against PyTorch would catch (``ValueError`` for bad arguments,
+``RuntimeError`` for failures while running), so ``except ValueError`` keeps working::
+
+    ParatrainError
+    ├── ConfigError (ValueError)          bad arguments: devices, sizes, flags, names
+    │   └── DeviceError                   a device that does not exist or does not fit
+    ├── ScatterError (ValueError)         inputs that cannot be split across replicas
+    ├── GatherError (ValueError)          replica outputs that cannot be put back together
+    ├── ReplicaError (RuntimeError)       one or more replicas failed; names each replica and device
+    ├── DataError (RuntimeError)          missing or corrupt dataset files
+    ├── CheckpointError (RuntimeError)    unreadable, corrupt or incompatible checkpoints
+    └── DistributedError (RuntimeError)   collectives that disagree across ranks or time out
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "DeviceError",
+    "DistributedError",
+    "GatherError",
+    "ParatrainError",
+    "ReplicaError",
+    "ScatterError",
+]
+
+
+class ParatrainError(Exception):
+    """Base class of every exception paratrain raises on purpose."""
+
+
+class ConfigError(ParatrainError, ValueError):
+    """An argument, flag or name is not one paratrain can use."""
+
+
+class DeviceError(ConfigError):
+    """A device that does not exist, cannot be used, or holds the wrong thing."""
+
+
+class ScatterError(ParatrainError, ValueError):
+    """The inputs cannot be split along the batch dimension."""
+
+
+class GatherError(ParatrainError, ValueError):
+    """The replicas' outputs cannot be gathered into one result."""
+
+
+class ReplicaError(ParatrainError, RuntimeError):
+    """One or more replicas raised; used when the original exception type cannot be rebuilt."""
+
+
+class DataError(ParatrainError, RuntimeError):
+    """A dataset's files are missing, unreadable or corrupt."""
+
+
+class CheckpointError(ParatrainError, RuntimeError):
+    """A checkpoint cannot be written, read, or does not match what it is loaded into."""
+
+
+class DistributedError(ParatrainError, RuntimeError):
+    """Ranks disagree, or a collective did not complete in time."""

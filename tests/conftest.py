@@ -1,0 +1,102 @@
+"""Shared helpers: the oracle comparison of a parallel run against the plain single-device run."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+CPU = torch.device("cpu")
+
+
+def cpu_devices(n: int) -> list[str]:
+    return ["cpu"] * n
+
+
+def grads_of(model: nn.Module) -> list[torch.Tensor | None]:
+    out = []
+    for p in model.parameters():
+        g = p.grad
+        out.append(None if g is None else (g.to_dense() if g.is_sparse else g).clone())
+    return out
+
+
+def assert_close_lists(a: Sequence[Any], b: Sequence[Any], atol: float = 1e-5, rtol: float = 1e-4) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x is None or y is None:
+            assert x is None and y is None, f"entry {i}: {x} vs {y}"
+            continue
+        torch.testing.assert_close(x, y, atol=atol, rtol=rtol, msg=lambda m, i=i: f"entry {i}: {m}")
+
+
+def train_steps(
+    model: nn.Module,
+    batches: Sequence[tuple[tuple[Any, ...], dict[str, Any], Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    lr: float = 0.1,
+) -> tuple[list[Any], list[list[torch.Tensor | None]]]:
+    """SGD over the batches; returns each step's output and gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    outputs, grads = [], []
+    for args, kwargs, target in batches:
+        optimizer.zero_grad(set_to_none=True)
+        out = model(*args, **kwargs)
+        loss_fn(out, target).backward()
+        outputs.append(_detach(out))
+        grads.append(grads_of(model))
+        optimizer.step()
+    return outputs, grads
+
+
+def _detach(out: Any) -> Any:
+    from paratrain.tree import flatten, unflatten
+
+    leaves, spec = flatten(out)
+    return unflatten([x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def assert_same_training(
+    make_model: Callable[[], nn.Module],
+    wrap: Callable[[nn.Module], nn.Module],
+    batches: Sequence[tuple[tuple[Any, ...], dict[str, Any], Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    lr: float = 0.1,
+    atol: float = 1e-5,
+) -> None:
+    """The oracle: outputs, gradients and parameters after every step equal the plain run's."""
+    torch.manual_seed(0)
+    plain = make_model()
+    parallel_inner = copy.deepcopy(plain)
+    parallel = wrap(parallel_inner)
+    initial = [p.detach().clone() for p in plain.parameters()]
+    out_a, grads_a = train_steps(plain, batches, loss_fn, lr)
+    out_b, grads_b = train_steps(parallel, batches, loss_fn, lr)
+    from paratrain.tree import flatten
+
+    for step, (oa, ob) in enumerate(zip(out_a, out_b, strict=False)):
+        la, sa = flatten(oa)
+        lb, sb = flatten(ob)
+        assert sa == sb, f"step {step}: output structures differ: {sa} vs {sb}"
+        assert_close_lists(
+            [x for x in la if isinstance(x, torch.Tensor)],
+            [x for x in lb if isinstance(x, torch.Tensor)],
+            atol,
+        )
+    for ga, gb in zip(grads_a, grads_b, strict=False):
+        assert_close_lists(ga, gb, atol)
+    assert_close_lists(
+        [p.detach() for p in plain.parameters()], [p.detach() for p in parallel_inner.parameters()], atol
+    )
+    # the run really moved the parameters, so the equality above is not trivially true
+    moved = [not torch.equal(a, p.detach()) for a, p in zip(initial, plain.parameters(), strict=False)]
+    assert any(moved), "training did not change any parameter; the comparison proves nothing"
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(1234)
