@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/paratrain demo
+	$(VENV)/bin/paratrain train
 
 test: lint typecheck unit
 

@@ -16,7 +16,9 @@ from .errors import (
     ReplicaError,
     ScatterError,
 )
+from .parallel import Parallel, seed_everything
 from .scatter_gather import gather, scatter, split_sizes
+from .strategies import Strategy
 from .version import __version__
 
 __all__ = [
@@ -27,11 +29,14 @@ __all__ = [
     "DeviceError",
     "DistributedError",
     "GatherError",
+    "Parallel",
     "ParatrainError",
     "ReplicaError",
     "ScatterError",
+    "Strategy",
     "__version__",
     "gather",
     "scatter",
+    "seed_everything",
     "split_sizes",
 ]

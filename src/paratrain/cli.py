@@ -12,8 +12,11 @@ import sys
 from collections.abc import Sequence
 
 from . import demo, env_info
+from .datasets import DATASET_NAMES
 from .devices import parse_devices_arg
 from .errors import ConfigError, ParatrainError
+from .models import MODEL_NAMES
+from .strategies import STRATEGY_NAMES
 from .version import __version__
 
 __all__ = ["build_parser", "main"]
@@ -32,6 +35,74 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, found {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, found {value}")
+    return value
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    tr = commands.add_parser(
+        "train",
+        help="train a model (default: the second seed's SimpleNet job) on one device or many",
+        description="Train with the second seed's settings by default: SimpleNet, digits, 5 epochs, batch 64, "
+        "SGD lr 0.01. --batch-size is the global batch under every strategy.",
+    )
+    tr.add_argument("--model", default="simplenet", choices=MODEL_NAMES)
+    tr.add_argument("--dataset", default="digits", choices=DATASET_NAMES)
+    tr.add_argument("--epochs", type=_positive_int, default=5)
+    tr.add_argument("--batch-size", type=_positive_int, default=64, help="global batch size (default 64)")
+    tr.add_argument("--lr", type=_positive_float, default=0.01, help="SGD learning rate (default 0.01)")
+    tr.add_argument("--log-every", type=_positive_int, default=100, help="print the loss every N steps")
+    tr.add_argument("--strategy", default="auto", choices=STRATEGY_NAMES)
+    tr.add_argument("--devices", default="auto", help="auto, cpu, cuda, cuda:0,cuda:1, cpu,cpu,cpu (CPU replicas)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--data-dir", help="where the mnist IDX files are (or get downloaded to)")
+    tr.add_argument("--checkpoint-dir", help="save a checkpoint there at the end of every epoch")
+    tr.add_argument(
+        "--checkpoint-every",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="also save every N steps (default: only at epoch ends)",
+    )
+    tr.add_argument(
+        "--keep-checkpoints",
+        type=_positive_int,
+        default=3,
+        metavar="K",
+        help="keep the newest K checkpoints (default 3)",
+    )
+    tr.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="latest|if-exists|PATH",
+        help="continue from the latest checkpoint in --checkpoint-dir (an error if there is none), "
+        "from it only if one exists (if-exists), or from a given file",
+    )
+    tr.add_argument("--metrics-out", metavar="FILE.json", help="write the results as JSON")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar and no per-step lines")
+    tr.add_argument("--width", type=_positive_int, default=1024, help="hidden width of --model mlp")
+    tr.add_argument("--depth", type=_non_negative_int, default=2, help="hidden layers of --model mlp")
+    tr.add_argument("--max-steps", type=_positive_int, metavar="N", help="stop after N steps (smoke runs)")
+    tr.set_defaults(handler=_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paratrain", description="Take a PyTorch training loop from one device to many."
@@ -39,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
+
+    _add_train(commands)
 
     env = commands.add_parser("env", help="versions, GPUs and distributed backends, for bug reports")
     env.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -62,6 +135,34 @@ def _env(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     devices = parse_devices_arg(args.devices) or demo.default_demo_devices()
     demo.run_demo(devices, batch_size=args.batch_size, data_size=args.data_size, seed=args.seed)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .train import TrainConfig, train  # the training stack is only imported when needed
+
+    config = TrainConfig(
+        model=args.model,
+        dataset=args.dataset,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        log_every=args.log_every,
+        strategy=args.strategy,
+        devices=args.devices,
+        seed=args.seed,
+        data_dir=args.data_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        metrics_out=args.metrics_out,
+        quiet=args.quiet,
+        width=args.width,
+        depth=args.depth,
+        max_steps=args.max_steps,
+    )
+    train(config)
     return 0
 
 

@@ -1,0 +1,403 @@
+"""Checkpoints that survive crashes: atomic save, validated load.
+
+A checkpoint is a plain dict written with ``torch.save`` and read back with ``torch.load(weights_only=True)``,
+so it holds only tensors and plain Python values (no pickled classes, nothing that runs code on load). Saving
+writes a temporary file next to the target and renames it into place, so a crash mid-write never destroys the
+previous checkpoint of that name. Loading says what is wrong with a bad file and what to do about it::
+
+    check_writable("runs/mnist")                     # at start-up, not an hour into training
+    path = latest_checkpoint("runs/mnist")
+    if path is not None:
+        saved = load_checkpoint(path)
+        check_compatible(model.state_dict(), saved["model"])
+        model.load_state_dict(strip_module_prefix(saved["model"]))
+        optimizer.load_state_dict(saved["optimizer"])
+        set_rng_state(saved["rng"])                  # from paratrain.rng
+    ...
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "epoch": epoch, "step": step, "rng": rng_state()}
+    save_checkpoint(state, "runs/mnist", checkpoint_name(epoch, step))
+    prune_checkpoints("runs/mnist", keep=3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError, ConfigError
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "check_compatible",
+    "check_writable",
+    "checkpoint_name",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "save_checkpoint",
+    "strip_module_prefix",
+]
+
+FORMAT = "paratrain-checkpoint"
+FORMAT_VERSION = 1
+
+_MARKER_KEYS = ("format", "format_version")
+_NAME_PATTERN = re.compile(r"epoch-(\d+)-step-(\d+)\.pt")
+_MODULE_PREFIX = "module."
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save has written zip archives since torch 1.6
+
+# What torch.load(weights_only=True) accepts, checked by exact type: numpy.float64 subclasses float and
+# IntEnum subclasses int, yet the weights-only unpickler refuses both.
+_PYTHON_LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray)
+_TORCH_LEAF_TYPES = (torch.Size, torch.dtype, torch.device)
+_CONTAINER_TYPES = (dict, OrderedDict, list, tuple, set)
+
+_DIFFERENT_MODEL_HINT = (
+    "It was probably saved by a different model or configuration: resume with the settings that wrote it, "
+    "or start a fresh run in another checkpoint directory."
+)
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    """The file name for a checkpoint, zero-padded so that names sort like ``(epoch, step)``.
+
+    >>> checkpoint_name(3, 120)
+    'epoch-0003-step-000120.pt'
+    """
+    for label, value in (("epoch", epoch), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"checkpoint {label} must be a non-negative int, found {value!r}")
+    return f"epoch-{epoch:04d}-step-{step:06d}.pt"
+
+
+def check_writable(directory: str | Path) -> Path:
+    """Create ``directory`` if needed and prove that files can be created and deleted in it.
+
+    Call it at start-up so that a run fails in the first second rather than at its first save.
+
+    Raises:
+        CheckpointError: naming the directory and the operating system's reason.
+    """
+    directory = Path(directory)
+    probe = directory / f".paratrain-write-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"cannot write checkpoints to {directory}: it is a file, expected a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointError(
+            f"cannot write checkpoints to {directory}: {_describe_os_error(err)}. "
+            "Choose a directory you can write to, or fix its permissions, before training."
+        ) from err
+    return directory
+
+
+def save_checkpoint(state: Mapping[str, Any], directory: str | Path, name: str) -> Path:
+    """Write ``state`` to ``directory/name`` atomically and durably; returns the final path.
+
+    The state goes to a temporary file in the same directory (a rename is atomic only within one file system),
+    which is flushed and fsynced, renamed over ``name``, and then the directory is fsynced so the rename itself
+    survives a power cut. Until the rename, an existing file called ``name`` is untouched; on an exception
+    the temporary file is removed. ``{"format": FORMAT, "format_version": FORMAT_VERSION}`` is added to the
+    dict that is written, and :func:`load_checkpoint` checks and removes it again.
+
+    Raises:
+        ConfigError: ``name`` is not a plain file name, or ``state`` is not a mapping, uses a reserved key, or
+            holds a value that ``torch.load(weights_only=True)`` would refuse (checked before anything is written).
+        CheckpointError: the file could not be written; the previous file with that name is intact.
+    """
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"a checkpoint state must be a dict, found {type(state).__name__}")
+    if name in ("", ".", "..") or Path(name).name != name:
+        raise ConfigError(
+            f"checkpoint name must be a plain file name such as {checkpoint_name(1, 100)!r}, found {name!r}"
+        )
+    reserved = [key for key in _MARKER_KEYS if key in state]
+    if reserved:
+        raise ConfigError(
+            f"checkpoint state uses the reserved key(s) {reserved}; save_checkpoint adds them, rename yours"
+        )
+    # Checked up front: torch.save happily pickles a numpy array, and the run would only learn at resume time,
+    # possibly hours later, that weights_only loading refuses it.
+    _check_loadable(state, "state")
+
+    directory = Path(directory)
+    final = directory / name
+    # Starts with a dot and ends in .tmp, so list_checkpoints never mistakes it for a checkpoint.
+    temporary = directory / f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    payload = {"format": FORMAT, "format_version": FORMAT_VERSION, **state}
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # O_EXCL: never write into someone else's file; 0o666 lets the umask decide the mode as for any file
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as file:
+            torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, final)
+        _fsync_directory(directory)
+    except Exception as err:
+        raise CheckpointError(
+            f"could not write checkpoint {final}: {type(err).__name__}: {_first_line(err)}. "
+            f"Any previous {name} is intact. Check free space and permissions in {directory}."
+        ) from err
+    finally:
+        # A no-op after a successful rename; after a failure (or Ctrl-C) it removes the partial file.
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+    return final
+
+
+def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint`, with ``torch.load(weights_only=True)``.
+
+    Returns the state that was saved, without the ``format`` / ``format_version`` markers.
+
+    Raises:
+        CheckpointError: the file is missing, truncated, not a torch file, holds objects weights-only loading
+            refuses, is not a paratrain checkpoint, or was written by a newer paratrain. The message names the
+            file and says what to do.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint {path} does not exist. "
+            "Pass an existing file, or use latest_checkpoint(directory) to find the newest one."
+        )
+    if path.is_dir():
+        raise CheckpointError(
+            f"checkpoint {path} is a directory, expected a file; use latest_checkpoint({str(path)!r}) to pick one"
+        )
+    try:
+        with open(path, "rb") as file:
+            head = file.read(len(_ZIP_MAGIC))
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: {_describe_os_error(err)}") from err
+    try:
+        loaded = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:
+        raise CheckpointError(_explain_load_failure(path, head, err)) from err
+
+    if not isinstance(loaded, dict) or "format" not in loaded:
+        found = f"a dict with keys {_few(list(loaded))}" if isinstance(loaded, dict) else f"a {type(loaded).__name__}"
+        raise CheckpointError(
+            f"{path} is a torch file but not a paratrain checkpoint: expected a dict with a 'format' key, found "
+            f"{found}. If it is a bare state_dict, load it with torch.load(path, weights_only=True) instead."
+        )
+    if loaded["format"] != FORMAT:
+        raise CheckpointError(
+            f"{path} has format {loaded['format']!r}, expected {FORMAT!r}; it was written by another tool"
+        )
+    version = loaded.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(f"{path} has format_version {version!r}, expected a positive int; the file is corrupt")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} was written by a newer paratrain (format version {version}; this one reads up to "
+            f"{FORMAT_VERSION}). Upgrade paratrain to resume from it."
+        )
+    return {key: value for key, value in loaded.items() if key not in _MARKER_KEYS}
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """The checkpoints in ``directory``, oldest to newest by the ``(epoch, step)`` in their names.
+
+    Only names made by :func:`checkpoint_name` count; temporary files and anything else are ignored.
+    A directory that does not exist yet holds no checkpoints.
+    """
+    directory = Path(directory)
+    if not directory.exists():
+        return []
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} is a file, expected a directory")
+    found = []
+    for entry in directory.iterdir():
+        match = _NAME_PATTERN.fullmatch(entry.name)
+        if match and entry.is_file():
+            found.append(((int(match[1]), int(match[2]), entry.name), entry))
+    return [entry for _, entry in sorted(found)]
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest checkpoint in ``directory``, or ``None`` when there is none (a fresh run)."""
+    checkpoints = list_checkpoints(directory)
+    return checkpoints[-1] if checkpoints else None
+
+
+def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints in ``directory``; returns the deleted paths."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ConfigError(
+            f"keep must be an int >= 1 (keeping none would delete the run's only resume point), found {keep!r}"
+        )
+    doomed = list_checkpoints(directory)[:-keep]
+    for path in doomed:
+        try:
+            path.unlink(missing_ok=True)  # missing_ok: another process may have pruned it already
+        except OSError as err:
+            raise CheckpointError(f"could not delete old checkpoint {path}: {_describe_os_error(err)}") from err
+    return doomed
+
+
+def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove the ``module.`` that a ``DataParallel`` / ``DistributedDataParallel`` wrapper adds to every key.
+
+    All or nothing: keys are changed only when every one of them carries the prefix, so a model that merely has
+    a submodule called ``module`` is left alone.
+    """
+    if state and all(isinstance(key, str) and key.startswith(_MODULE_PREFIX) for key in state):
+        return {key[len(_MODULE_PREFIX) :]: value for key, value in state.items()}
+    return dict(state)
+
+
+def check_compatible(
+    model_state: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor], *, what: str = "model"
+) -> None:
+    """Check that ``saved`` has the keys, shapes and dtypes of ``model_state`` before loading it.
+
+    A ``module.`` prefix on either side (a wrapped model) is ignored; load ``strip_module_prefix(saved)`` into the
+    unwrapped model. ``what`` names the thing in messages (``"model"``, ``"EMA model"``, ...).
+
+    Raises:
+        CheckpointError: keys are missing or unexpected (a few of each are listed), or the first tensor whose
+            shape or dtype differs, with both.
+    """
+    expected = strip_module_prefix(model_state)
+    found = strip_module_prefix(saved)
+    missing = [key for key in expected if key not in found]
+    unexpected = [key for key in found if key not in expected]
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} key(s) of this {what} are missing from the checkpoint: {_few(missing)}")
+        if unexpected:
+            problems.append(f"{len(unexpected)} key(s) in the checkpoint are not in this {what}: {_few(unexpected)}")
+        raise CheckpointError(
+            f"the checkpoint does not match this {what}: {'; '.join(problems)}. {_DIFFERENT_MODEL_HINT}"
+        )
+    for key, want in expected.items():
+        got = found[key]
+        if isinstance(want, torch.Tensor) != isinstance(got, torch.Tensor):
+            raise CheckpointError(
+                f"{what} entry {key!r} is a {type(got).__name__} in the checkpoint but a {type(want).__name__} "
+                f"in this {what}. {_DIFFERENT_MODEL_HINT}"
+            )
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+            continue
+        if want.shape != got.shape:
+            raise CheckpointError(
+                f"{what} entry {key!r} has shape {tuple(got.shape)} in the checkpoint but {tuple(want.shape)} "
+                f"in this {what}. {_DIFFERENT_MODEL_HINT}"
+            )
+        if want.dtype != got.dtype:
+            raise CheckpointError(
+                f"{what} entry {key!r} has dtype {got.dtype} in the checkpoint but {want.dtype} in this {what}. "
+                f"{_DIFFERENT_MODEL_HINT}"
+            )
+
+
+def _check_loadable(value: Any, where: str) -> None:
+    """Raise ConfigError naming the first value in ``value`` that weights-only loading would refuse."""
+    kind = type(value)
+    if isinstance(value, torch.Tensor) or kind in _PYTHON_LEAF_TYPES or kind in _TORCH_LEAF_TYPES:
+        return
+    if kind not in _CONTAINER_TYPES:
+        raise ConfigError(
+            f"{where} is a {kind.__module__}.{kind.__qualname__}, which torch.load(weights_only=True) refuses, so "
+            "the checkpoint could not be loaded back. Store tensors and plain values (int, float, str, bool, None, "
+            "list, tuple, dict): e.g. torch.as_tensor(array) for a numpy array, obj.state_dict() for an object."
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_loadable(key, f"a key of {where}")
+            _check_loadable(item, f"{where}[{key!r}]")
+    else:
+        for index, item in enumerate(value):
+            _check_loadable(item, f"{where}[{index}]")
+
+
+def _explain_load_failure(path: Path, head: bytes, err: Exception) -> str:
+    """Say why ``torch.load`` failed on ``path`` and what to do, from the error and the file's first bytes."""
+    detail = _first_line(err)
+    message = str(err)
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", message)
+    if refused:
+        return (
+            f"checkpoint {path} holds a {refused[1]}, which weights-only loading refuses, so it was not written by "
+            "paratrain's save_checkpoint. If you trust its source, torch.load(path, weights_only=False) reads it."
+        )
+    # Torch's zip reader reports a cut-short archive as RuntimeError or OSError depending on where it stops,
+    # so the file's first bytes, not the exception type, tell a damaged checkpoint from a foreign file.
+    if head in (_ZIP_MAGIC, b""):
+        previous = _previous_checkpoint(path)
+        fallback = f" ({previous.name})" if previous is not None else ""
+        return (
+            f"checkpoint {path} is truncated or corrupt ({type(err).__name__}: {detail}); a crash, a full disk or "
+            f"an interrupted copy probably cut it short. Delete it to resume from the previous checkpoint{fallback}."
+        )
+    return (
+        f"{path} is not a PyTorch checkpoint: it starts with {head!r}, where files written by torch.save start with "
+        f"{_ZIP_MAGIC!r}. Check the path; if something else overwrote a checkpoint, delete it to resume from the "
+        "previous one."
+    )
+
+
+def _previous_checkpoint(path: Path) -> Path | None:
+    """The checkpoint a run would fall back to once ``path`` is deleted."""
+    try:
+        others = list_checkpoints(path.parent)
+    except CheckpointError:
+        return None
+    names = [other.name for other in others]
+    if path.name in names:
+        others = others[: names.index(path.name)]
+    return others[-1] if others else None
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is durable only once the directory entry is on disk; without this a power cut just after
+    # os.replace can bring back the old file, or no file at all.
+    if os.name != "posix":
+        return  # Windows cannot open a directory for fsync; NTFS journals the rename itself
+    # Some network and FUSE file systems refuse fsync on a directory. The file's data is already synced, so a
+    # refusal costs only the power-cut guarantee for the rename, not worth failing a save that succeeded.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _describe_os_error(err: OSError) -> str:
+    # strerror alone ("Permission denied"): every message already names the path
+    return err.strerror or str(err)
+
+
+def _first_line(err: BaseException) -> str:
+    """The first sentence of an exception's message: torch's run to paragraphs, and the cause stays chained."""
+    text = str(err).strip()
+    line = text.splitlines()[0].split(". ")[0] if text else type(err).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _few(keys: list[Any], limit: int = 5) -> str:
+    shown = ", ".join(repr(key) for key in keys[:limit])
+    return f"[{shown}]" if len(keys) <= limit else f"[{shown}, ... {len(keys) - limit} more]"

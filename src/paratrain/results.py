@@ -1,0 +1,87 @@
+"""What a training run reports: the result record, the model fingerprint, the metrics file.
+
+fingerprint(model.state_dict())      # sha256 over the tensors in key order: equal runs, equal hashes
+write_metrics(result, "metrics.json")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["TrainResult", "fingerprint", "write_metrics"]
+
+
+def fingerprint(state: Mapping[str, Any]) -> str:
+    """sha256 of a state_dict's tensors in key order (names, dtypes and shapes included)."""
+    digest = hashlib.sha256()
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        t = value.detach().to("cpu").contiguous()
+        digest.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+@dataclass
+class TrainResult:
+    """The outcome of ``paratrain train``; ``write_metrics`` stores it as JSON."""
+
+    test_accuracy: float
+    train_loss: float
+    epochs: int
+    samples_per_second: float
+    wall_seconds: float
+    strategy: str
+    devices: list[str]
+    seed: int
+    model_fingerprint: str
+    model: str = ""
+    dataset: str = ""
+    batch_size: int = 0
+    lr: float = 0.0
+    world_size: int = 1
+    steps: int = 0
+    samples: int = 0
+    resumed_from: str | None = None
+    epoch_losses: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (
+            f"test accuracy {self.test_accuracy:.2%}  train loss {self.train_loss:.4f}  "
+            f"wall {self.wall_seconds:.1f}s  {self.samples_per_second:,.0f} samples/s  "
+            f"strategy {self.strategy} on {', '.join(self.devices)}"
+        )
+
+
+def write_metrics(result: TrainResult, path: str | Path) -> Path:
+    """Write the result as JSON, atomically (a reader never sees half a file)."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as exc:
+        raise ConfigError(f"cannot write metrics to {target}: {exc.strerror}; pick a writable path") from exc
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(result.as_dict(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

@@ -1,0 +1,105 @@
+"""The one interface every way of running implements; the training loop is written only against it.
+
+A strategy owns where the model and batches live, how the model is wrapped, which part of a global batch this
+process trains on, and the collectives a loop needs for metrics. The single-device and DataParallel
+strategies run in one process, so their collectives are identities.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["ReduceOp", "Strategy"]
+
+ReduceOp = Literal["sum", "mean", "max", "min"]
+
+
+class Strategy(ABC):
+    """How a training loop runs: one device, several in one process, or several processes."""
+
+    name: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where this process keeps the model and puts each batch."""
+
+    @property
+    @abstractmethod
+    def devices(self) -> list[torch.device]:
+        """Every device this process computes on."""
+
+    @property
+    def rank(self) -> int:
+        """This process's index among all processes (0 in one process)."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """How many processes train together (1 in one process)."""
+        return 1
+
+    @property
+    def is_main(self) -> bool:
+        """True in the one process that prints, shows progress and writes files."""
+        return self.rank == 0
+
+    def setup(self) -> None:
+        """Prepare the process (process groups, device selection); called once before anything else."""
+
+    def teardown(self) -> None:
+        """Release what :meth:`setup` took; safe to call twice."""
+
+    @abstractmethod
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to :attr:`device` and wrap it for this strategy."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's model inside whatever :meth:`wrap_model` put around it."""
+        inner = getattr(model, "module", None)
+        return inner if isinstance(inner, nn.Module) else model
+
+    def shard(self, indices: torch.Tensor) -> torch.Tensor:
+        """This process's part of a global batch of sample indices (all of it in one process)."""
+        return indices
+
+    def loss_weight(self, local_samples: int, global_samples: int) -> float:
+        """Factor on this process's mean loss that makes the synchronised gradient the global batch's mean.
+
+        In one process the local batch is the global batch, so the factor is 1.
+        """
+        return 1.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Combine ``tensor`` across processes; in one process, the tensor itself."""
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every process's ``tensor``, in rank order."""
+        return [tensor]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Process ``src``'s ``obj`` on every process."""
+        return obj
+
+    def barrier(self) -> None:
+        """Wait until every process arrives."""
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip gradient synchronisation inside the block (gradient accumulation)."""
+        with nullcontext():
+            yield
+
+    def describe(self) -> str:
+        """A short label for logs and results, e.g. ``dp on cpu, cpu, cpu``."""
+        return f"{self.name} on {', '.join(str(d) for d in self.devices)}"

@@ -1,0 +1,320 @@
+"""The training job behind ``paratrain train``, written only against :class:`~paratrain.parallel.Parallel`.
+
+    paratrain train                                          # the second seed: SimpleNet, digits, 5 epochs
+    paratrain train --strategy dp --devices cpu,cpu,cpu      # the same run split over three CPU replicas
+    paratrain train --devices cuda:0,cuda:1 --metrics-out m.json
+    paratrain train --checkpoint-dir runs/a && paratrain train --checkpoint-dir runs/a --resume
+
+From Python: ``train(TrainConfig(epochs=1, quiet=True))`` returns a :class:`~paratrain.results.TrainResult`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .checkpoint import (
+    check_compatible,
+    check_writable,
+    checkpoint_name,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+)
+from .datasets import DATASET_NAMES, TensorData, load_dataset
+from .errors import CheckpointError, ConfigError
+from .loader import DeviceLoader
+from .models import MODEL_NAMES, build_model
+from .parallel import Parallel, seed_everything
+from .progress import Progress
+from .results import TrainResult, fingerprint, write_metrics
+from .rng import rng_state, set_rng_state
+
+__all__ = ["RESUME_MODES", "TrainConfig", "evaluate", "train"]
+
+RESUME_MODES = ("latest", "if-exists")
+# what must match between a checkpoint and the run that resumes from it
+_IDENTITY = ("model", "dataset", "batch_size", "seed", "width", "depth")
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run; the defaults are the second seed's."""
+
+    model: str = "simplenet"
+    dataset: str = "digits"
+    epochs: int = 5
+    batch_size: int = 64
+    lr: float = 0.01
+    log_every: int = 100
+    strategy: str = "auto"
+    devices: str = "auto"
+    seed: int = 0
+    data_dir: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between mid-epoch checkpoints; 0: only at the end of each epoch
+    keep_checkpoints: int = 3
+    resume: str | None = None  # None, "latest", "if-exists", or a checkpoint file's path
+    metrics_out: str | None = None
+    quiet: bool = False
+    progress_bar: bool | None = None  # None: when stderr is a terminal
+    width: int = 1024  # mlp only
+    depth: int = 2  # mlp only
+    max_steps: int | None = None  # stop after this many optimizer steps in this run (for tests and smoke runs)
+    eval_batch_size: int = 1024
+
+    def validate(self) -> None:
+        """Raise ConfigError for settings no run can use, before any work starts."""
+        if self.model not in MODEL_NAMES:
+            raise ConfigError(f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_NAMES)}")
+        if self.dataset not in DATASET_NAMES:
+            raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASET_NAMES)}")
+        checks = [
+            (self.epochs >= 1, f"--epochs must be at least 1; found {self.epochs}"),
+            (self.batch_size >= 1, f"--batch-size must be at least 1; found {self.batch_size}"),
+            (self.lr > 0, f"--lr must be positive; found {self.lr}"),
+            (self.log_every >= 1, f"--log-every must be at least 1; found {self.log_every}"),
+            (self.checkpoint_every >= 0, f"--checkpoint-every must be 0 or more; found {self.checkpoint_every}"),
+            (self.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1; found {self.keep_checkpoints}"),
+            (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1; found {self.max_steps}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        if self.resume is not None and self.checkpoint_dir is None and self.resume in RESUME_MODES:
+            raise ConfigError("--resume needs --checkpoint-dir (where to look for the latest checkpoint)")
+
+
+@dataclass
+class _Position:
+    """Where the run is: the next batch to train, and the epoch's running loss."""
+
+    epoch: int = 0
+    batch: int = 0
+    global_step: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+
+
+def evaluate(par: Parallel, model: nn.Module, data: TensorData, batch_size: int = 1024) -> float:
+    """Accuracy on ``data``; each process scores its own share, and the counts are summed across processes."""
+    was_training = model.training
+    model.eval()
+    device = par.device
+    indices = par.strategy.shard(torch.arange(len(data)))
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    with torch.no_grad():
+        for chunk in indices.split(batch_size):
+            x = data.inputs[chunk].to(device, non_blocking=True)
+            y = data.targets[chunk].to(device, non_blocking=True)
+            correct += (model(x).argmax(dim=1) == y).sum()
+    counts = par.all_reduce(torch.stack([correct, torch.tensor(indices.numel(), device=device)]), "sum")
+    model.train(was_training)
+    total = int(counts[1])
+    return float(counts[0]) / total if total else 0.0
+
+
+def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> TrainResult:
+    """Run the training job described by ``config``; see the module docstring for examples."""
+    config.validate()
+    wall_start = time.perf_counter()
+    with Parallel(config.strategy, config.devices) as par:
+        progress = Progress(enabled=par.is_main, bar=config.progress_bar, log=log)
+        quiet = config.quiet
+        if quiet:
+            progress.bar_enabled = False
+        checkpoints = Path(config.checkpoint_dir) if config.checkpoint_dir else None
+        if checkpoints is not None and par.is_main:
+            check_writable(checkpoints)
+        resume_path = _find_resume(config, checkpoints)
+
+        splits = load_dataset(config.dataset, config.data_dir)
+        seed_everything(config.seed)  # the same initial weights in every process and every strategy
+        model = build_model(
+            config.model, splits.input_shape, splits.num_classes, width=config.width, depth=config.depth
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+        loader = DeviceLoader(splits.train, config.batch_size, shuffle=True, seed=config.seed)
+        pos = _Position()
+        if resume_path is not None:
+            pos = _restore(resume_path, config, model, optimizer)
+            if not quiet:
+                progress.write(f"Resuming from {resume_path} (epoch {pos.epoch}, batch {pos.batch})")
+        model, optimizer, loader = par.prepare(model, optimizer, loader)
+        if not quiet:
+            progress.write(
+                f"Training {config.model} on {config.dataset} ({len(splits.train)} train / {len(splits.test)} test) "
+                f"with {par.strategy.describe()}, global batch {config.batch_size}, {config.epochs} epochs"
+            )
+
+        run_samples, run_steps = 0, 0
+        loop_start = time.perf_counter()
+        epoch_losses: list[float] = []
+        reached = stopped_mid_epoch = False
+        for epoch in range(pos.epoch, config.epochs):
+            loader.set_epoch(epoch)
+            loader.skip(pos.batch)
+            progress.start_epoch(epoch, config.epochs, len(loader), pos.batch)
+            loss_sum = torch.tensor(pos.loss_sum, dtype=torch.float64, device=par.device)
+            loss_count = pos.loss_count
+            for i, (images, labels) in enumerate(loader, start=pos.batch):
+                outputs = model(images)
+                loss = F.cross_entropy(outputs, labels)
+                optimizer.zero_grad()
+                par.backward(loss)
+                optimizer.step()
+                loss_sum += loss.detach().double() * labels.shape[0]
+                loss_count += labels.shape[0]
+                run_samples += par.batch_sizes.total
+                run_steps += 1
+                pos.global_step += 1
+                progress.step(i, par.batch_sizes.total, loss)
+                if i % config.log_every == 0 and not quiet:
+                    progress.write(f"Epoch {epoch}, Step {i}, Loss: {loss.item()}")
+                reached = config.max_steps is not None and run_steps >= config.max_steps
+                if i + 1 == len(loader):
+                    break  # the end-of-epoch checkpoint below covers this point
+                periodic = bool(config.checkpoint_every) and pos.global_step % config.checkpoint_every == 0
+                if reached or (checkpoints is not None and periodic):
+                    pos.epoch, pos.batch = epoch, i + 1
+                    pos.loss_sum, pos.loss_count = _reduced_loss(par, loss_sum, loss_count)
+                    if checkpoints is not None:
+                        _save(par, checkpoints, config, model, optimizer, pos)
+                if reached:
+                    stopped_mid_epoch = True
+                    break
+            progress.end_epoch()
+            if stopped_mid_epoch:
+                break
+            total_loss, total_count = _reduced_loss(par, loss_sum, loss_count)
+            epoch_loss = total_loss / max(total_count, 1)
+            epoch_losses.append(epoch_loss)
+            pos = _Position(epoch + 1, 0, pos.global_step)
+            if not quiet:
+                progress.write(f"Epoch {epoch} done: train loss {epoch_loss:.4f}")
+            if checkpoints is not None:
+                _save(par, checkpoints, config, model, optimizer, pos)
+            if reached:
+                break
+        loop_seconds = max(time.perf_counter() - loop_start, 1e-9)
+
+        accuracy = evaluate(par, model, splits.test, config.eval_batch_size)
+        state = par.unwrap(model).state_dict()
+        result = TrainResult(
+            test_accuracy=accuracy,
+            train_loss=epoch_losses[-1] if epoch_losses else float("nan"),
+            epochs=config.epochs,
+            samples_per_second=run_samples / loop_seconds,
+            wall_seconds=time.perf_counter() - wall_start,
+            strategy=par.strategy.name,
+            devices=[str(d) for d in par.strategy.devices],
+            seed=config.seed,
+            model_fingerprint=fingerprint(state),
+            model=config.model,
+            dataset=config.dataset,
+            batch_size=config.batch_size,
+            lr=config.lr,
+            world_size=par.world_size,
+            steps=run_steps,
+            samples=run_samples,
+            resumed_from=str(resume_path) if resume_path is not None else None,
+            epoch_losses=epoch_losses,
+        )
+        if par.is_main:
+            if config.metrics_out:
+                write_metrics(result, config.metrics_out)
+            finished = pos.epoch >= config.epochs
+            progress.write(
+                ("Done: " if finished else f"Stopped at epoch {pos.epoch}, batch {pos.batch}: ") + result.summary()
+            )
+        return result
+
+
+def _reduced_loss(par: Parallel, loss_sum: torch.Tensor, count: int) -> tuple[float, int]:
+    both = par.all_reduce(
+        torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=loss_sum.device)]), "sum"
+    )
+    return float(both[0]), int(both[1])
+
+
+def _find_resume(config: TrainConfig, checkpoints: Path | None) -> Path | None:
+    if config.resume is None:
+        return None
+    if config.resume not in RESUME_MODES:
+        path = Path(config.resume)
+        if not path.is_file():
+            raise CheckpointError(f"--resume {config.resume}: no such checkpoint file")
+        return path
+    assert checkpoints is not None  # validate() requires it
+    latest = latest_checkpoint(checkpoints)
+    if latest is None and config.resume == "latest":
+        raise CheckpointError(
+            f"--resume: no checkpoint in {checkpoints}; drop --resume to start from scratch, or use "
+            f"--resume if-exists to start from scratch only when there is none"
+        )
+    return latest
+
+
+def _identity(config: TrainConfig) -> dict[str, Any]:
+    values = asdict(config)
+    return {key: values[key] for key in _IDENTITY}
+
+
+def _save(
+    par: Parallel,
+    directory: Path,
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    pos: _Position,
+) -> None:
+    state = {
+        "model": par.unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": pos.epoch,
+        "batch": pos.batch,
+        "global_step": pos.global_step,
+        "loss_sum": pos.loss_sum,
+        "loss_count": pos.loss_count,
+        "rng": rng_state(),
+        "config": _identity(config),
+    }
+    par.save(state, directory / checkpoint_name(pos.epoch, pos.batch))
+    if par.is_main:
+        prune_checkpoints(directory, config.keep_checkpoints)
+
+
+def _restore(path: Path, config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> _Position:
+    state = load_checkpoint(path)
+    for key in ("model", "optimizer", "epoch", "batch", "global_step", "config", "rng"):
+        if key not in state:
+            raise CheckpointError(f"checkpoint {path} has no {key!r} entry; it was not written by paratrain train")
+    saved, wanted = state["config"], _identity(config)
+    different = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
+    if different:
+        listed = ", ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in different.items())
+        raise CheckpointError(
+            f"checkpoint {path} belongs to a different run ({listed}); resume with the same settings or use "
+            f"another --checkpoint-dir"
+        )
+    check_compatible(model.state_dict(), state["model"])
+    model.load_state_dict(state["model"])
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit this model: {exc}") from exc
+    set_rng_state(state["rng"])
+    return _Position(
+        epoch=int(state["epoch"]),
+        batch=int(state["batch"]),
+        global_step=int(state["global_step"]),
+        loss_sum=float(state.get("loss_sum", 0.0)),
+        loss_count=int(state.get("loss_count", 0)),
+    )
