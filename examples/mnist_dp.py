@@ -51,3 +51,4 @@ with torch.no_grad():
     predicted = model(data.test.inputs.to(par.device)).argmax(dim=1)
 accuracy = (predicted == data.test.targets.to(par.device)).float().mean().item()
 par.print(f"Test accuracy: {accuracy:.2%} with {par.strategy.describe()}")
+par.close()

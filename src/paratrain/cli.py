@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from . import demo, env_info
+from .cli_launch import add_launch_parser, add_launcher_options, launch_config, report_exit
 from .datasets import DATASET_NAMES
 from .devices import parse_devices_arg
 from .errors import ConfigError, ParatrainError
@@ -100,6 +101,14 @@ def _add_train(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     tr.add_argument("--width", type=_positive_int, default=1024, help="hidden width of --model mlp")
     tr.add_argument("--depth", type=_non_negative_int, default=2, help="hidden layers of --model mlp")
     tr.add_argument("--max-steps", type=_positive_int, metavar="N", help="stop after N steps (smoke runs)")
+    tr.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=300.0,
+        metavar="SECONDS",
+        help="ddp: how long a collective may wait for the other ranks before failing (default 300)",
+    )
+    add_launcher_options(tr)
     tr.set_defaults(handler=_train)
 
 
@@ -112,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
 
     _add_train(commands)
+    add_launch_parser(commands)
 
     env = commands.add_parser("env", help="versions, GPUs and distributed backends, for bug reports")
     env.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -139,8 +149,19 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .devices import visible_gpus
+    from .strategies import launched_by_torchrun
     from .train import TrainConfig, train  # the training stack is only imported when needed
 
+    wants_processes = args.strategy == "ddp" or (
+        args.strategy == "auto" and args.devices in ("auto", "cuda") and len(visible_gpus()) > 1
+    )
+    if wants_processes and not launched_by_torchrun():
+        # this process becomes the launcher; every worker runs this same command under torchrun
+        from .launch import launch
+
+        code = launch(launch_config(args), "paratrain", ["train", *args.argv], module=True)
+        return report_exit(code, "train")
     config = TrainConfig(
         model=args.model,
         dataset=args.dataset,
@@ -161,6 +182,7 @@ def _train(args: argparse.Namespace) -> int:
         width=args.width,
         depth=args.depth,
         max_steps=args.max_steps,
+        timeout=args.timeout,
     )
     train(config)
     return 0
@@ -169,7 +191,10 @@ def _train(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 runtime error, 2 usage error)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw)
+    # what followed the subcommand, so `train --strategy ddp` can start its workers with the same arguments
+    args.argv = raw[raw.index(args.command) + 1 :] if args.command in raw else []
     try:
         code: int = args.handler(args)
         return code

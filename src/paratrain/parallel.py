@@ -52,6 +52,7 @@ class Parallel:
         devices: ``auto`` (every GPU, or the CPU), a string such as ``cpu,cpu,cpu`` or ``cuda:0,cuda:1``, or a
             list of devices.
         seed: when given, seeds every generator the same way in every process.
+        timeout: ddp only: seconds a collective may wait for the other ranks before failing.
     """
 
     def __init__(
@@ -60,8 +61,11 @@ class Parallel:
         devices: str | Sequence[DeviceLike] | None = "auto",
         *,
         seed: int | None = None,
+        timeout: float | None = None,
     ) -> None:
-        self.strategy = strategy if isinstance(strategy, Strategy) else select_strategy(strategy, devices)
+        self.strategy = (
+            strategy if isinstance(strategy, Strategy) else select_strategy(strategy, devices, timeout=timeout)
+        )
         self.strategy.setup()
         if seed is not None:
             seed_everything(seed)
@@ -159,12 +163,15 @@ class Parallel:
         """Read a training state written by :meth:`save`, tensors mapped onto this process's device."""
         return load_checkpoint(path, map_location=self.device)
 
-    def close(self) -> None:
-        """Release the strategy's resources (threads, process groups)."""
-        self.strategy.teardown()
+    def close(self, clean: bool = True) -> None:
+        """Release the strategy's resources (threads, process groups).
+
+        ``clean=False`` (leaving on an error) skips waiting for the other processes.
+        """
+        self.strategy.teardown(clean)
 
     def __enter__(self) -> Parallel:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(clean=exc_type is None)

@@ -69,6 +69,7 @@ class TrainConfig:
     depth: int = 2  # mlp only
     max_steps: int | None = None  # stop after this many optimizer steps in this run (for tests and smoke runs)
     eval_batch_size: int = 1024
+    timeout: float = 300.0  # ddp: seconds a collective may wait for the other ranks
 
     def validate(self) -> None:
         """Raise ConfigError for settings no run can use, before any work starts."""
@@ -122,119 +123,138 @@ def evaluate(par: Parallel, model: nn.Module, data: TensorData, batch_size: int 
 
 
 def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> TrainResult:
-    """Run the training job described by ``config``; see the module docstring for examples."""
-    config.validate()
-    wall_start = time.perf_counter()
-    with Parallel(config.strategy, config.devices) as par:
-        progress = Progress(enabled=par.is_main, bar=config.progress_bar, log=log)
-        quiet = config.quiet
-        if quiet:
-            progress.bar_enabled = False
-        checkpoints = Path(config.checkpoint_dir) if config.checkpoint_dir else None
-        if checkpoints is not None and par.is_main:
-            check_writable(checkpoints)
-        resume_path = _find_resume(config, checkpoints)
+    """Run the training job described by ``config``; see the module docstring for examples.
 
-        splits = load_dataset(config.dataset, config.data_dir)
+    ``log`` receives every line the main process would print (default: stdout).
+    """
+    config.validate()
+    with Parallel(config.strategy, config.devices, timeout=config.timeout) as par:
+        return _Run(config, par, log).run()
+
+
+class _Run:
+    """One training run: set-up, the epochs, checkpoints, and the result."""
+
+    def __init__(self, config: TrainConfig, par: Parallel, log: Callable[[str], None] | None) -> None:
+        self.config = config
+        self.par = par
+        self.wall_start = time.perf_counter()
+        self.progress = Progress(enabled=par.is_main, bar=False if config.quiet else config.progress_bar, log=log)
+        self.checkpoints = Path(config.checkpoint_dir) if config.checkpoint_dir else None
+        if self.checkpoints is not None and par.is_main:
+            check_writable(self.checkpoints)
+        self.resume_path = _find_resume(config, self.checkpoints)
+        self.splits = load_dataset(config.dataset, config.data_dir)
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
         model = build_model(
-            config.model, splits.input_shape, splits.num_classes, width=config.width, depth=config.depth
+            config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
-        loader = DeviceLoader(splits.train, config.batch_size, shuffle=True, seed=config.seed)
-        pos = _Position()
-        if resume_path is not None:
-            pos = _restore(resume_path, config, model, optimizer)
-            if not quiet:
-                progress.write(f"Resuming from {resume_path} (epoch {pos.epoch}, batch {pos.batch})")
-        model, optimizer, loader = par.prepare(model, optimizer, loader)
-        if not quiet:
-            progress.write(
-                f"Training {config.model} on {config.dataset} ({len(splits.train)} train / {len(splits.test)} test) "
-                f"with {par.strategy.describe()}, global batch {config.batch_size}, {config.epochs} epochs"
-            )
+        loader = DeviceLoader(self.splits.train, config.batch_size, shuffle=True, seed=config.seed)
+        self.pos = _Position()
+        if self.resume_path is not None:
+            self.pos = _restore(self.resume_path, config, model, optimizer)
+            self.say(f"Resuming from {self.resume_path} (epoch {self.pos.epoch}, batch {self.pos.batch})")
+        self.model, self.optimizer, self.loader = par.prepare(model, optimizer, loader)
+        self.steps = self.samples = 0
+        self.epoch_losses: list[float] = []
 
-        run_samples, run_steps = 0, 0
+    def say(self, line: str) -> None:
+        if not self.config.quiet:
+            self.progress.write(line)
+
+    def run(self) -> TrainResult:
+        config, splits = self.config, self.splits
+        self.say(
+            f"Training {config.model} on {config.dataset} ({len(splits.train)} train / {len(splits.test)} test) "
+            f"with {self.par.strategy.describe()}, global batch {config.batch_size}, {config.epochs} epochs"
+        )
         loop_start = time.perf_counter()
-        epoch_losses: list[float] = []
-        reached = stopped_mid_epoch = False
-        for epoch in range(pos.epoch, config.epochs):
-            loader.set_epoch(epoch)
-            loader.skip(pos.batch)
-            progress.start_epoch(epoch, config.epochs, len(loader), pos.batch)
-            loss_sum = torch.tensor(pos.loss_sum, dtype=torch.float64, device=par.device)
-            loss_count = pos.loss_count
-            for i, (images, labels) in enumerate(loader, start=pos.batch):
-                outputs = model(images)
-                loss = F.cross_entropy(outputs, labels)
-                optimizer.zero_grad()
-                par.backward(loss)
-                optimizer.step()
-                loss_sum += loss.detach().double() * labels.shape[0]
-                loss_count += labels.shape[0]
-                run_samples += par.batch_sizes.total
-                run_steps += 1
-                pos.global_step += 1
-                progress.step(i, par.batch_sizes.total, loss)
-                if i % config.log_every == 0 and not quiet:
-                    progress.write(f"Epoch {epoch}, Step {i}, Loss: {loss.item()}")
-                reached = config.max_steps is not None and run_steps >= config.max_steps
-                if i + 1 == len(loader):
-                    break  # the end-of-epoch checkpoint below covers this point
-                periodic = bool(config.checkpoint_every) and pos.global_step % config.checkpoint_every == 0
-                if reached or (checkpoints is not None and periodic):
-                    pos.epoch, pos.batch = epoch, i + 1
-                    pos.loss_sum, pos.loss_count = _reduced_loss(par, loss_sum, loss_count)
-                    if checkpoints is not None:
-                        _save(par, checkpoints, config, model, optimizer, pos)
-                if reached:
-                    stopped_mid_epoch = True
-                    break
-            progress.end_epoch()
-            if stopped_mid_epoch:
-                break
-            total_loss, total_count = _reduced_loss(par, loss_sum, loss_count)
-            epoch_loss = total_loss / max(total_count, 1)
-            epoch_losses.append(epoch_loss)
-            pos = _Position(epoch + 1, 0, pos.global_step)
-            if not quiet:
-                progress.write(f"Epoch {epoch} done: train loss {epoch_loss:.4f}")
-            if checkpoints is not None:
-                _save(par, checkpoints, config, model, optimizer, pos)
-            if reached:
+        for epoch in range(self.pos.epoch, config.epochs):
+            if not self._epoch(epoch):
                 break
         loop_seconds = max(time.perf_counter() - loop_start, 1e-9)
+        result = self._result(loop_seconds)
+        if self.par.is_main:
+            if config.metrics_out:
+                write_metrics(result, config.metrics_out)
+            finished = self.pos.epoch >= config.epochs
+            where = "Done: " if finished else f"Stopped at epoch {self.pos.epoch}, batch {self.pos.batch}: "
+            self.progress.write(where + result.summary())
+        return result
 
-        accuracy = evaluate(par, model, splits.test, config.eval_batch_size)
-        state = par.unwrap(model).state_dict()
-        result = TrainResult(
-            test_accuracy=accuracy,
-            train_loss=epoch_losses[-1] if epoch_losses else float("nan"),
+    def _epoch(self, epoch: int) -> bool:
+        """Train one epoch (from ``pos.batch`` on); False when ``max_steps`` stopped the run."""
+        config, par, pos, loader = self.config, self.par, self.pos, self.loader
+        loader.set_epoch(epoch)
+        loader.skip(pos.batch)
+        self.progress.start_epoch(epoch, config.epochs, len(loader), pos.batch)
+        # the epoch's loss so far, summed over this process's samples; read back only when needed (a GPU sync)
+        loss_sum = torch.tensor(pos.loss_sum, dtype=torch.float64, device=par.device)
+        loss_count = pos.loss_count
+        reached = False
+        for i, (images, labels) in enumerate(loader, start=pos.batch):
+            loss = F.cross_entropy(self.model(images), labels)
+            self.optimizer.zero_grad()
+            par.backward(loss)
+            self.optimizer.step()
+            loss_sum += loss.detach().double() * labels.shape[0]
+            loss_count += labels.shape[0]
+            self.samples += par.batch_sizes.total
+            self.steps += 1
+            pos.global_step += 1
+            self.progress.step(i, par.batch_sizes.total, loss)
+            if i % config.log_every == 0:
+                self.say(f"Epoch {epoch}, Step {i}, Loss: {loss.item()}")
+            reached = config.max_steps is not None and self.steps >= config.max_steps
+            if i + 1 == len(loader):
+                break  # the end-of-epoch checkpoint below covers this point
+            periodic = bool(config.checkpoint_every) and pos.global_step % config.checkpoint_every == 0
+            if reached or (self.checkpoints is not None and periodic):
+                pos.epoch, pos.batch = epoch, i + 1
+                pos.loss_sum, pos.loss_count = _reduced_loss(par, loss_sum, loss_count)
+                self._save()
+            if reached:
+                self.progress.end_epoch()
+                return False
+        self.progress.end_epoch()
+        total, count = _reduced_loss(par, loss_sum, loss_count)
+        self.epoch_losses.append(total / max(count, 1))
+        self.pos = _Position(epoch + 1, 0, pos.global_step)
+        self.say(f"Epoch {epoch} done: train loss {self.epoch_losses[-1]:.4f}")
+        self._save()
+        return not reached
+
+    def _save(self) -> None:
+        if self.checkpoints is not None:
+            _save(self.par, self.checkpoints, self.config, self.model, self.optimizer, self.pos)
+
+    def _result(self, loop_seconds: float) -> TrainResult:
+        config, par, pos = self.config, self.par, self.pos
+        if self.epoch_losses:
+            train_loss = self.epoch_losses[-1]
+        else:  # stopped inside the first epoch of this run: the partial epoch's mean
+            train_loss = pos.loss_sum / pos.loss_count if pos.loss_count else float("nan")
+        return TrainResult(
+            test_accuracy=evaluate(par, self.model, self.splits.test, config.eval_batch_size),
+            train_loss=train_loss,
             epochs=config.epochs,
-            samples_per_second=run_samples / loop_seconds,
-            wall_seconds=time.perf_counter() - wall_start,
+            samples_per_second=self.samples / loop_seconds,
+            wall_seconds=time.perf_counter() - self.wall_start,
             strategy=par.strategy.name,
-            devices=[str(d) for d in par.strategy.devices],
+            devices=par.strategy.world_devices(),
             seed=config.seed,
-            model_fingerprint=fingerprint(state),
+            model_fingerprint=fingerprint(par.unwrap(self.model).state_dict()),
             model=config.model,
             dataset=config.dataset,
             batch_size=config.batch_size,
             lr=config.lr,
             world_size=par.world_size,
-            steps=run_steps,
-            samples=run_samples,
-            resumed_from=str(resume_path) if resume_path is not None else None,
-            epoch_losses=epoch_losses,
+            steps=self.steps,
+            samples=self.samples,
+            resumed_from=str(self.resume_path) if self.resume_path is not None else None,
+            epoch_losses=self.epoch_losses,
         )
-        if par.is_main:
-            if config.metrics_out:
-                write_metrics(result, config.metrics_out)
-            finished = pos.epoch >= config.epochs
-            progress.write(
-                ("Done: " if finished else f"Stopped at epoch {pos.epoch}, batch {pos.batch}: ") + result.summary()
-            )
-        return result
 
 
 def _reduced_loss(par: Parallel, loss_sum: torch.Tensor, count: int) -> tuple[float, int]:

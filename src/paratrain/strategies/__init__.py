@@ -13,20 +13,23 @@ import torch
 from ..devices import DeviceLike, parse_device_list, parse_devices_arg, visible_gpus
 from ..errors import ConfigError
 from .base import ReduceOp, Strategy
+from .ddp import DistributedStrategy, launched_by_torchrun
 from .dp import DataParallelStrategy
 from .single import SingleDevice
 
 __all__ = [
     "STRATEGY_NAMES",
     "DataParallelStrategy",
+    "DistributedStrategy",
     "ReduceOp",
     "SingleDevice",
     "Strategy",
+    "launched_by_torchrun",
     "resolve_devices",
     "select_strategy",
 ]
 
-STRATEGY_NAMES = ("auto", "single", "dp")
+STRATEGY_NAMES = ("auto", "single", "dp", "ddp")
 
 
 def resolve_devices(devices: str | Sequence[DeviceLike] | None) -> list[torch.device]:
@@ -42,14 +45,26 @@ def resolve_devices(devices: str | Sequence[DeviceLike] | None) -> list[torch.de
     return parsed
 
 
-def select_strategy(name: str = "auto", devices: str | Sequence[DeviceLike] | None = "auto") -> Strategy:
+def select_strategy(
+    name: str = "auto", devices: str | Sequence[DeviceLike] | None = "auto", *, timeout: float | None = None
+) -> Strategy:
     """The strategy called ``name`` on ``devices``.
 
-    ``auto`` picks ``dp`` when several devices are in play (every visible GPU when there are several, or an
-    explicit list such as ``cpu,cpu,cpu``), else ``single``.
+    ``auto`` picks ``ddp`` in a process started by torchrun (``paratrain launch``), else ``dp`` when several
+    devices are in play (every visible GPU when there are several, or an explicit list such as
+    ``cpu,cpu,cpu``), else ``single``. ``ddp`` takes ``devices`` ``auto`` (this process's GPU, or the CPU),
+    ``cpu`` or ``cuda``.
     """
     if name not in STRATEGY_NAMES:
         raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}")
+    if name == "ddp" or (name == "auto" and launched_by_torchrun()):
+        device_type = devices if isinstance(devices, str) and devices in ("auto", "cpu", "cuda") else None
+        if device_type is None:
+            raise ConfigError(
+                f"strategy 'ddp' takes --devices auto, cpu or cuda (each process uses one device: its local "
+                f"rank's GPU, or the CPU); found {devices!r}"
+            )
+        return DistributedStrategy(device_type, **({} if timeout is None else {"timeout": timeout}))
     resolved = resolve_devices(devices)
     if name == "auto":
         name = "dp" if len(resolved) > 1 else "single"

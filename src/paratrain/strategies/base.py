@@ -53,8 +53,11 @@ class Strategy(ABC):
     def setup(self) -> None:
         """Prepare the process (process groups, device selection); called once before anything else."""
 
-    def teardown(self) -> None:
-        """Release what :meth:`setup` took; safe to call twice."""
+    def teardown(self, clean: bool = True) -> None:
+        """Release what :meth:`setup` took; safe to call twice.
+
+        ``clean`` is False when leaving because of an error: nothing may then wait for other processes.
+        """
 
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -99,6 +102,10 @@ class Strategy(ABC):
         """Skip gradient synchronisation inside the block (gradient accumulation)."""
         with nullcontext():
             yield
+
+    def world_devices(self) -> list[str]:
+        """Every device of every process, in rank order (this process's devices in one process)."""
+        return [str(d) for d in self.devices]
 
     def describe(self) -> str:
         """A short label for logs and results, e.g. ``dp on cpu, cpu, cpu``."""

@@ -35,7 +35,7 @@ class DataParallelStrategy(Strategy):
         self._wrapped.append(wrapped)
         return wrapped
 
-    def teardown(self) -> None:
+    def teardown(self, clean: bool = True) -> None:
         for wrapped in self._wrapped:
             wrapped.close()
         self._wrapped.clear()

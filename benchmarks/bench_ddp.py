@@ -1,0 +1,212 @@
+"""Does paratrain's DistributedDataParallel keep up with torch's, and do its buckets use the bandwidth?
+
+    python benchmarks/bench_ddp.py                  # world size 2 over gloo on this machine, a 10M-parameter MLP
+    python benchmarks/bench_ddp.py --quick          # few repeats: a smoke run, not a measurement
+    python benchmarks/bench_ddp.py --gpu            # world size 1 over nccl on cuda:0 against torch's DDP
+
+The script starts its own worker processes. In every rank, with the same data and seed:
+
+- step time (forward, backward with gradient averaging, SGD step) of torch's DDP, of paratrain's DDP, and of
+  paratrain's DDP with overlap switched off (every bucket's all-reduce waits for the end of backward);
+- bus bandwidth of paratrain's bucketed gradient all-reduce against one plain ``all_reduce`` of a flat buffer
+  of the same size, busbw = 2 (n - 1) / n * bytes / seconds as nccl-tests define it.
+
+The modes run interleaved, one step each in turn, so drift on a shared machine hits them alike; figures are
+medians of the repeats. Targets: step time at most 1.05x torch's DDP, bucketed bandwidth at least 0.9 of flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from bench_common import print_table, write_json
+from torch import nn
+from torch.nn import functional as F
+
+from paratrain.distributed import DistributedDataParallel
+from paratrain.launch import free_port
+
+TARGET_STEP_RATIO = 1.05
+TARGET_BANDWIDTH_RATIO = 0.9
+
+
+def mlp(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(784, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    dist.barrier()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = "nccl" if args.gpu else "gloo"
+    device = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
+    if args.gpu:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, args.threads))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    base = mlp(args.width, args.depth).to(device)
+    params = sum(p.numel() for p in base.parameters())
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(args.batch, 784, generator=g).to(device)
+    y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
+    ids = [device] if args.gpu else None
+    modes: dict[str, nn.Module] = {
+        "torch DDP": nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=ids),
+        "paratrain DDP": DistributedDataParallel(copy.deepcopy(base), device_ids=ids),
+        "paratrain DDP, no overlap": DistributedDataParallel(copy.deepcopy(base), device_ids=ids, overlap=False),
+    }
+    steps = {name: _step_fn(model, x, y) for name, model in modes.items()}
+    samples: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    for _ in range(args.repeats):
+        for name, step in steps.items():
+            samples[name].append(_timed(step, device))
+
+    # bandwidth: every bucket of our reducer, launched together, against one flat all-reduce of the same size
+    ours = modes["paratrain DDP"]
+    assert isinstance(ours, DistributedDataParallel)
+    reducer = ours.reducer
+    flat = torch.randn(sum(b.numel for b in reducer.buckets), device=device)
+    bandwidth: dict[str, list[float]] = {"flat all_reduce": [], "paratrain buckets": []}
+    for _ in range(args.warmup):
+        dist.all_reduce(flat)
+        reducer.reduce_buffers()
+    for _ in range(args.repeats):
+        bandwidth["flat all_reduce"].append(_timed(lambda: dist.all_reduce(flat), device))
+        bandwidth["paratrain buckets"].append(_timed(reducer.reduce_buffers, device))
+    result = {
+        "params": params,
+        "buckets": [{"index": b.index, "params": len(b.indices), "mb": b.nbytes / 2**20} for b in reducer.buckets],
+        "bytes": flat.numel() * flat.element_size(),
+        "steps": samples,
+        "bandwidth": bandwidth,
+    }
+    for model in modes.values():
+        if isinstance(model, DistributedDataParallel):
+            model.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def report(result: dict[str, Any], world: int, args: argparse.Namespace) -> dict[str, Any]:
+    steps = {name: statistics.median(s) for name, s in result["steps"].items()}
+    torch_step = steps["torch DDP"]
+    print(
+        f"\nStep time, world size {world}, {result['params'] / 1e6:.1f}M parameters, batch {args.batch} per rank, "
+        f"median of {args.repeats}\n"
+    )
+    rows = [[name, t * 1e3, t / torch_step] for name, t in steps.items()]
+    print_table(["mode", "step ms", "vs torch DDP"], rows)
+    ratio = steps["paratrain DDP"] / torch_step
+    overlap_gain = steps["paratrain DDP, no overlap"] / steps["paratrain DDP"]
+    print(
+        f"\nparatrain / torch step time {ratio:.3f} (target <= {TARGET_STEP_RATIO}): "
+        f"{'PASS' if ratio <= TARGET_STEP_RATIO else 'FAIL'}; overlap saves {100 * (1 - 1 / overlap_gain):.1f}%"
+    )
+
+    nbytes = result["bytes"]
+    factor = 2 * (world - 1) / world if world > 1 else 1.0
+    busbw = {name: factor * nbytes / statistics.median(s) / 1e9 for name, s in result["bandwidth"].items()}
+    bw_ratio = busbw["paratrain buckets"] / busbw["flat all_reduce"]
+    print(f"\nGradient all-reduce of {nbytes / 2**20:.1f} MiB in {len(result['buckets'])} buckets\n")
+    print_table(
+        ["how", "median ms", "busbw GB/s"],
+        [[name, statistics.median(s) * 1e3, busbw[name]] for name, s in result["bandwidth"].items()],
+    )
+    print(
+        f"\nbucketed / flat bandwidth {bw_ratio:.3f} (target >= {TARGET_BANDWIDTH_RATIO}): "
+        f"{'PASS' if bw_ratio >= TARGET_BANDWIDTH_RATIO else 'FAIL'}"
+    )
+    return {
+        "world_size": world,
+        "backend": "nccl" if args.gpu else "gloo",
+        "params": result["params"],
+        "batch_per_rank": args.batch,
+        "repeats": args.repeats,
+        "step_ms": {name: t * 1e3 for name, t in steps.items()},
+        "step_ratio_vs_torch": ratio,
+        "overlap_speedup": overlap_gain,
+        "busbw_gbps": busbw,
+        "bandwidth_ratio": bw_ratio,
+        "buckets": result["buckets"],
+        "targets": {"step_ratio_max": TARGET_STEP_RATIO, "bandwidth_ratio_min": TARGET_BANDWIDTH_RATIO},
+        "raw": result,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, help="processes (default 2 on CPU, 1 with --gpu)")
+    parser.add_argument("--width", type=int, default=2048, help="hidden width (default 2048: about 10M parameters)")
+    parser.add_argument("--depth", type=int, default=3, help="hidden layers (default 3)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
+    parser.add_argument("--repeats", type=int, help="timed steps per mode (default 20; 4 with --quick)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch threads per process (default: cores / world size)")
+    parser.add_argument("--quick", action="store_true", help="few repeats: a smoke run, not a measurement")
+    parser.add_argument("--gpu", action="store_true", help="nccl on GPUs, world size 1 by default")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/ddp.json)")
+    args = parser.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        print("--gpu asked for, but no GPU is visible", file=sys.stderr)
+        return 2
+    world = args.world_size or (1 if args.gpu else 2)
+    args.repeats = args.repeats or (4 if args.quick else 20)
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rank0.json")
+        mp.start_processes(worker, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
+        result = json.loads(Path(out).read_text())
+    payload = report(result, world, args)
+    write_json("ddp_gpu" if args.gpu else "ddp", payload, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

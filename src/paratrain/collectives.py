@@ -1,0 +1,161 @@
+"""Collectives that time out with the names of the ranks that did not arrive.
+
+A collective that one rank never joins blocks the others until the backend's timeout (30 minutes by default),
+and then says nothing about who was missing. Here every rank publishes how many collectives it has launched
+to the process group's key-value store, from a background thread so the training step never waits on it.
+When a wait times out, the ranks whose count is behind are the ones that did not arrive, and the error names
+them.
+
+    monitor = CollectiveMonitor(group, timeout=60.0, namespace="ddp0")
+    seq = monitor.launched()
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    monitor.wait(fut, seq, "gradient all-reduce of bucket 0")
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import DistributedError
+
+__all__ = ["CollectiveMonitor", "to_seconds"]
+
+
+def to_seconds(timeout: float | timedelta | None) -> float | None:
+    """A timeout as seconds (``None``: wait forever); rejects zero and negative values."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not seconds > 0:
+        raise DistributedError(f"timeout must be positive seconds or a timedelta; found {timeout!r}")
+    return seconds
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a process group without a store: timeouts still work, without rank names
+        return None
+
+
+class _Board:
+    """Publishes this rank's launch count to the store from a daemon thread; reads everyone's on demand."""
+
+    def __init__(self, store: Any, namespace: str, rank: int, world_size: int) -> None:
+        self._store = store
+        self._prefix = f"paratrain/{namespace}"
+        self._rank = rank
+        self._world_size = world_size
+        self._latest = 0
+        self._stopped = False
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._publish, name=f"paratrain-{namespace}-board", daemon=True)
+        self._thread.start()
+
+    def post(self, seq: int) -> None:
+        self._latest = seq
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stop publishing (before the process group and its store go away)."""
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _publish(self) -> None:
+        written = -1
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopped:
+                return
+            latest = self._latest
+            if latest != written:
+                try:
+                    self._store.set(f"{self._prefix}/{self._rank}", str(latest))
+                except Exception:  # the store went away (shutdown): nothing left to report to
+                    return
+                written = latest
+
+    def behind(self, seq: int) -> tuple[list[int], list[int]]:
+        """Ranks whose published count is below ``seq`` (they never launched collective ``seq``), and ranks
+        whose count could not be read (the store went away)."""
+        missing, unknown = [], []
+        for rank in range(self._world_size):
+            if rank == self._rank:
+                continue
+            key = f"{self._prefix}/{rank}"
+            try:
+                count = int(self._store.get(key)) if self._store.check([key]) else 0
+            except Exception:
+                unknown.append(rank)
+                continue
+            if count < seq:
+                missing.append(rank)
+        return missing, unknown
+
+
+class CollectiveMonitor:
+    """Numbers a wrapper's collectives and waits for them with a timeout that names missing ranks.
+
+    Every rank must launch the same collectives in the same order (they do: the callers are deterministic),
+    so the n-th launch on one rank is the n-th on every other.
+    """
+
+    def __init__(self, group: Any, timeout: float | timedelta | None, namespace: str) -> None:
+        self.timeout = to_seconds(timeout)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._seq = 0
+        store = _default_store() if self.timeout is not None else None
+        self._board = _Board(store, namespace, self.rank, self.world_size) if store is not None else None
+
+    def close(self) -> None:
+        """Stop the background publisher; call before destroying the process group."""
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+    def launched(self) -> int:
+        """Record that this rank launches its next collective; returns its number."""
+        self._seq += 1
+        if self._board is not None:
+            self._board.post(self._seq)
+        return self._seq
+
+    def wait(self, fut: torch.futures.Future[Any], seq: int, what: str) -> Any:
+        """The future's value, or DistributedError naming the ranks that did not arrive within the timeout."""
+        if self.timeout is not None and not fut.done():
+            done = threading.Event()
+            fut.add_done_callback(lambda _: done.set())
+            if not done.wait(self.timeout):
+                raise self.timeout_error(seq, what)
+        return fut.wait()
+
+    def wait_work(self, work: Any, seq: int, what: str) -> None:
+        """Like :meth:`wait`, for a ``Work`` handle from ``async_op=True``."""
+        self.wait(work.get_future(), seq, what)
+
+    def timeout_error(self, seq: int, what: str) -> DistributedError:
+        if self._board is None:
+            who = "the process group has no store to tell which ranks are missing"
+        else:
+            missing, unknown = self._board.behind(seq)
+            if missing:
+                who = f"rank(s) {', '.join(map(str, missing))} did not arrive"
+            elif not unknown:
+                who = "every rank launched it, so one of them is stuck inside it (or the network is)"
+            else:
+                who = "the store is unreachable"
+            if unknown:
+                who += f" (rank(s) {', '.join(map(str, unknown))} could not be asked: the store is unreachable)"
+        return DistributedError(
+            f"rank {self.rank}: {what} (collective #{seq}) did not complete within {self.timeout:g}s: {who}. "
+            f"Check those processes (stuck, crashed, or skipping a forward/backward the others ran); use "
+            f"join() for uneven inputs; raise the limit with timeout=... (paratrain train --timeout)"
+        )

@@ -1,0 +1,433 @@
+"""Start a script on many processes and machines, delegating to torch's own launcher (torchrun).
+
+One machine::
+
+    paratrain launch train.py --epochs 3                        # one process per GPU; one process without a GPU
+    paratrain launch --nproc-per-node 4 train.py --epochs 3     # four processes on this machine
+
+Two machines, two processes each; 10.0.0.1 is one of them and hosts the rendezvous; the same line on both::
+
+    paratrain launch --nnodes 2 --nproc-per-node 2 --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job42 train.py
+
+Two machines with fixed node ranks (static rendezvous: node 0 at 10.0.0.1 listens on port 29500)::
+
+    paratrain launch --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 train.py
+    paratrain launch --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 train.py
+
+Elastic, between 1 and 4 machines, each restarting its workers up to 3 times (run on every machine)::
+
+    paratrain launch --nnodes 1:4 --max-restarts 3 --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job42 train.py
+
+The workers see torchrun's usual variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), so a script written for torchrun runs unchanged.
+``python -m paratrain launch ...`` is the same command.
+
+paratrain builds the argument list for ``python -m torch.distributed.run`` with :func:`torchrun_args` (pure,
+but for counting GPUs when asked for ``auto``) and runs it in a child process with :func:`launch`. torchrun's
+command line is its documented, stable interface, while ``torch.distributed.run.run(args)`` takes an argparse
+namespace whose fields, defaults and side effects (``--standalone`` rewriting, ``OMP_NUM_THREADS`` set in
+``os.environ``, signal handlers, ``@record`` error files) have changed between releases. A child process also
+keeps the caller safe: torchrun's signal handlers, environment changes, crashes and kills stay in the child,
+and the caller can stop it after a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+from .errors import ConfigError, DistributedError
+
+__all__ = ["LaunchConfig", "free_port", "launch", "local_world_size", "torchrun_args"]
+
+# the signals torchrun itself forwards to its workers (its --signals-to-handle default)
+_FORWARDED_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+)
+# torchrun gives its workers 30 s to exit after a signal before it kills them; allow that and a margin
+_SHUTDOWN_GRACE_S = 45.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How many processes to start, on how many machines, and how they find each other.
+
+    Three ways for the nodes to meet, chosen by the fields given:
+
+    * one node, no ``master_port`` and no ``rdzv_endpoint``: torchrun's ``--standalone`` rendezvous on a port
+      the operating system picks (no race for a free port); workers see ``MASTER_ADDR=master_addr``
+      (default ``127.0.0.1``).
+    * ``master_addr`` and ``master_port`` (static rendezvous): node ``node_rank`` of ``nnodes``; node 0 listens
+      at ``master_addr:master_port``. Node ranks are the ones given, so ``GROUP_RANK == node_rank``.
+    * ``rdzv_endpoint`` (c10d rendezvous, needed for elastic ``MIN:MAX`` node counts): the machine whose address
+      is the endpoint's host hosts the rendezvous, the others connect to it, and the rendezvous numbers the
+      nodes (torchrun ignores ``node_rank`` here).
+
+    Attributes:
+        nproc_per_node: processes on this machine, or ``"auto"``: one per GPU (or other accelerator), and one
+            on a machine without any. torchrun's own ``auto`` starts one process per CPU core there, which
+            for data-parallel training on one CPU only multiplies memory use.
+        nnodes: the number of machines, ``"N"`` or ``"MIN:MAX"`` (elastic; needs ``rdzv_endpoint``).
+        node_rank: this machine's rank, ``0 .. nnodes - 1``, for the static rendezvous.
+        master_addr: the address of node 0 for the static rendezvous (required with more than one node).
+        master_port: the port on node 0 for the static rendezvous; ``None`` on one node: a port picked for you.
+        rdzv_endpoint: ``HOST:PORT`` of the c10d rendezvous; ``[::1]:29400`` for IPv6.
+        rdzv_id: a job id the nodes of one job share (torchrun's default ``none`` when not given).
+        rdzv_timeout: seconds a node waits for the others to join before giving up (torchrun: 600).
+        local_addr: the address other nodes use to reach this one; by default torchrun uses the host name,
+            except that a loopback rendezvous (everything on this machine) uses the loopback address.
+        max_restarts: how often torchrun restarts the whole worker group after a failure.
+        monitor_interval: seconds between torchrun's checks of its workers.
+    """
+
+    nproc_per_node: int | str = "auto"
+    nnodes: int | str = "1"
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_timeout: int | None = None
+    local_addr: str | None = None
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+
+    def node_range(self) -> tuple[int, int]:
+        """The minimum and maximum number of nodes, from ``nnodes``."""
+        text = str(self.nnodes).strip()
+        parts = text.split(":")
+        try:
+            if len(parts) > 2:
+                raise ValueError(text)
+            low, high = int(parts[0]), int(parts[-1])
+        except ValueError:
+            raise ConfigError(
+                f"nnodes: expected a node count N or a range MIN:MAX such as 2 or 1:4, found {self.nnodes!r}"
+            ) from None
+        if not 1 <= low <= high:
+            raise ConfigError(
+                f"nnodes: expected 1 <= MIN <= MAX, found {self.nnodes!r}; give e.g. --nnodes 2 or --nnodes 1:4"
+            )
+        return low, high
+
+    @property
+    def is_single_node(self) -> bool:
+        """True when the job runs on this machine only (``nnodes`` is 1)."""
+        return self.node_range()[1] == 1
+
+    def validate(self) -> None:
+        """Check every field and how they combine.
+
+        Raises:
+            ConfigError: saying which value was expected, what was found, and what to pass instead.
+        """
+        _checked_nproc(self.nproc_per_node)  # "auto" is resolved only when the arguments are built
+        low, high = self.node_range()
+        elastic = low != high
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or self.node_rank < 0:
+            raise ConfigError(f"node_rank: expected an integer >= 0, found {self.node_rank!r}")
+        if self.node_rank >= high:
+            raise ConfigError(
+                f"node_rank: expected 0 .. {high - 1} for {high} node(s), found {self.node_rank}; "
+                "number the machines from 0 and pass --nnodes with their count"
+            )
+        if self.master_port is not None:
+            _check_port(self.master_port, "master_port", allow_zero=False)
+        for name in ("master_addr", "local_addr", "rdzv_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{name}: expected a non-empty string or None, found {value!r}")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"max_restarts: expected an integer >= 0, found {self.max_restarts!r}")
+        if not self.monitor_interval > 0:
+            raise ConfigError(
+                f"monitor_interval: expected a positive number of seconds, found {self.monitor_interval!r}"
+            )
+        if self.rdzv_timeout is not None and (not isinstance(self.rdzv_timeout, int) or self.rdzv_timeout < 1):
+            raise ConfigError(f"rdzv_timeout: expected a positive whole number of seconds, found {self.rdzv_timeout!r}")
+
+        if self.rdzv_endpoint is not None:
+            _parse_endpoint(self.rdzv_endpoint, allow_zero_port=high == 1)
+            if self.master_addr is not None or self.master_port is not None:
+                raise ConfigError(
+                    "expected either --rdzv-endpoint (c10d rendezvous) or --master-addr/--master-port (static "
+                    f"rendezvous), found both: rdzv_endpoint={self.rdzv_endpoint!r}, "
+                    f"master_addr={self.master_addr!r}, master_port={self.master_port!r}; drop one of them"
+                )
+            return
+        if elastic:
+            raise ConfigError(
+                f"nnodes={self.nnodes!r} is elastic (MIN:MAX) and needs the c10d rendezvous; "
+                "pass --rdzv-endpoint HOST:PORT (the same on every machine), or a fixed --nnodes N"
+            )
+        if high > 1 and (self.master_addr is None or self.master_port is None):
+            raise ConfigError(
+                f"{high} nodes need to know where to meet, found master_addr={self.master_addr!r}, "
+                f"master_port={self.master_port!r}; pass --master-addr and --master-port of node 0 (static "
+                "rendezvous), or --rdzv-endpoint HOST:PORT, the same on every machine"
+            )
+
+
+def local_world_size(nproc_per_node: int | str) -> int:
+    """The number of processes to start on this machine for ``nproc_per_node``.
+
+    ``"auto"`` is the number of GPUs (or other accelerators), or 1 on a machine without any.
+
+    Raises:
+        ConfigError: for anything but a positive integer or ``"auto"``.
+    """
+    checked = _checked_nproc(nproc_per_node)
+    return (_accelerator_count() or 1) if isinstance(checked, str) else checked
+
+
+def _checked_nproc(nproc_per_node: int | str) -> int | str:
+    """A positive int, or "auto"; digit strings become ints."""
+    value = nproc_per_node
+    if isinstance(value, str):
+        value = value.strip().lower()
+        if value == "auto":
+            return value
+        value = int(value) if value.isdigit() else nproc_per_node
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"nproc_per_node: expected a positive integer or 'auto' (one per GPU, one without), found {value!r}"
+        )
+    return value
+
+
+def _accelerator_count() -> int:
+    import torch  # only here, so that building a parser stays cheap
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6: CUDA, ROCm, XPU, MPS, ...
+    if accelerator is not None:
+        return int(accelerator.device_count()) if accelerator.is_available() else 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _check_port(port: object, name: str, *, allow_zero: bool) -> int:
+    low = 0 if allow_zero else 1
+    if isinstance(port, bool) or not isinstance(port, int) or not low <= port <= 65535:
+        raise ConfigError(f"{name}: expected a port number {low}..65535, found {port!r}")
+    return port
+
+
+def _parse_endpoint(endpoint: str, *, allow_zero_port: bool) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``[V6]:PORT``) -> (host, port)."""
+    host, sep, port_text = endpoint.strip().rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    if not sep or not host or (":" in host and not bracketed):
+        raise ConfigError(
+            f"rdzv_endpoint: expected HOST:PORT such as 10.0.0.1:29400 or [::1]:29400, found {endpoint!r}; "
+            "the port is needed because every node must connect to the same one"
+        )
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"rdzv_endpoint: expected a numeric port after ':', found {endpoint!r}") from None
+    return host, _check_port(port, "rdzv_endpoint port", allow_zero=allow_zero_port)
+
+
+def _loopback_addr(host: str) -> str | None:
+    """The address to use for ``host`` when it is this machine's loopback; None for any other host."""
+    if host == "localhost":
+        return "127.0.0.1"  # "localhost" may resolve to ::1 first
+    try:
+        return host if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:
+        return None
+
+
+def torchrun_args(
+    config: LaunchConfig, script: str, script_args: Sequence[str] = (), *, module: bool = False
+) -> list[str]:
+    """The argument list for ``python -m torch.distributed.run`` that runs ``script`` as ``config`` says.
+
+    Args:
+        config: the launch settings; validated here.
+        script: the script's path, or a module name when ``module`` is true.
+        script_args: passed to every worker unchanged, after the script.
+        module: run ``script`` as ``python -m script``.
+
+    Raises:
+        ConfigError: from :meth:`LaunchConfig.validate`, or for a script name starting with ``-``.
+    """
+    config.validate()
+    if not script or script.startswith("-"):
+        raise ConfigError(f"expected a script path or module name, found {script!r}")
+    args = [
+        f"--nnodes={str(config.nnodes).strip()}",
+        f"--nproc-per-node={local_world_size(config.nproc_per_node)}",
+        f"--max-restarts={config.max_restarts}",
+        f"--monitor-interval={config.monitor_interval:g}",
+    ]
+    timeout_key: str | None = None  # the rendezvous's name for "how long to wait for the other nodes"
+    if config.rdzv_endpoint is not None:  # c10d rendezvous
+        host, _ = _parse_endpoint(config.rdzv_endpoint, allow_zero_port=config.is_single_node)
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint.strip()}"]
+        timeout_key = "join_timeout"
+        # all on this machine: its host name may not resolve (containers), the loopback address always does
+        local_addr = config.local_addr or _loopback_addr(host)
+    elif config.master_port is not None:  # static rendezvous
+        args += [
+            f"--master-addr={config.master_addr or '127.0.0.1'}",
+            f"--master-port={config.master_port}",
+            f"--node-rank={config.node_rank}",
+        ]
+        timeout_key, local_addr = "timeout", None
+    else:  # one node: torchrun binds a port of the OS's choosing, so no other program can take it first
+        args.append("--standalone")  # sets its own rendezvous id; there are no other nodes to wait for
+        local_addr = config.local_addr or config.master_addr or "127.0.0.1"
+    if timeout_key is not None:
+        if config.rdzv_id is not None:
+            args.append(f"--rdzv-id={config.rdzv_id}")
+        if config.rdzv_timeout is not None:
+            args.append(f"--rdzv-conf={timeout_key}={config.rdzv_timeout}")
+    if local_addr is not None:
+        args.append(f"--local-addr={local_addr}")
+    if module:
+        args.append("--module")
+    return [*args, script, *script_args]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now (another program may still take it before you bind it).
+
+    Raises:
+        ConfigError: when ``host`` cannot be resolved or bound on this machine.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.bind(address)
+            return int(sock.getsockname()[1])
+    except OSError as exc:
+        raise ConfigError(f"free_port: expected an address of this machine, found {host!r} ({exc})") from None
+
+
+def _worker_env(config: LaunchConfig) -> dict[str, str]:
+    """The environment for torchrun: the caller's, plus a fair share of CPU threads per worker.
+
+    torchrun sets OMP_NUM_THREADS=1 for every worker when it is unset (and says so in a banner); sharing
+    the cores out instead keeps CPU training from running single-threaded on a machine with cores to spare.
+    """
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env:
+        cores = os.cpu_count() or 1
+        env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, local_world_size(config.nproc_per_node))))
+    return env
+
+
+def launch(
+    config: LaunchConfig,
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    module: bool = False,
+    timeout: float | None = None,
+) -> int:
+    """Run ``script`` under torchrun in a child process and return torchrun's exit code.
+
+    Output is not captured: the workers' output and torchrun's failure summary (which rank failed, its exit
+    code, the root cause) appear on this process's stdout and stderr. A failing worker gives a non-zero code.
+
+    Signals are handled like torchrun handles its own workers: torchrun runs in its own session, and the first
+    SIGINT, SIGTERM, SIGHUP or SIGQUIT this process gets is forwarded to it once, after which torchrun stops
+    its workers (killing them after its 30 s shutdown timeout). After a forwarded SIGINT this function raises
+    ``KeyboardInterrupt``; after the others, or when torchrun itself is killed, it returns 128 + the signal's
+    number. Signals are only forwarded when called from the main thread.
+
+    Args:
+        config: the launch settings.
+        script: the script's path, or a module name when ``module`` is true.
+        script_args: passed to every worker unchanged.
+        module: run ``script`` as ``python -m script``.
+        timeout: seconds to wait for the whole job; ``None`` waits as long as it runs.
+
+    Raises:
+        ConfigError: for invalid settings or a script file that does not exist.
+        DistributedError: when the job ran past ``timeout`` (it is stopped first).
+    """
+    args = torchrun_args(config, script, script_args, module=module)
+    if not module and not os.path.isfile(script):
+        where = "" if os.path.isabs(script) else f" (relative to {os.getcwd()})"
+        raise ConfigError(
+            f"expected a Python script to launch, found no file at {script!r}{where}; check the path, or pass "
+            "-m/--module to run a module"
+        )
+    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    # own session: a Ctrl-C in the terminal reaches this process only and is forwarded once (see above)
+    process = subprocess.Popen(command, start_new_session=True, env=_worker_env(config))
+    forwarded: list[int] = []
+    try:
+        with _forward_signals(process, forwarded):
+            try:
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _stop(process)
+                raise DistributedError(
+                    f"the job did not finish within {timeout:g} s, so torchrun and its workers were stopped; "
+                    "look for a rank that hangs in a collective above, or raise the timeout"
+                ) from None
+    finally:
+        if process.poll() is None:  # an unexpected exception while waiting: leave nothing running
+            _stop(process)
+    if forwarded:
+        if forwarded[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        return 128 + forwarded[0]
+    return 128 - code if code < 0 else code  # torchrun killed by signal N: 128 + N, as a shell reports it
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM torchrun (it stops its workers), then SIGKILL it if it is still there after the grace period."""
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=_SHUTDOWN_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def _forward_signals(process: subprocess.Popen[bytes], forwarded: list[int]) -> Iterator[None]:
+    """While inside, forward the first of torchrun's signals to ``process``, once; ignore repeats."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if forwarded:  # torchrun is already shutting its workers down; a second signal would cut that short
+            print(
+                f"paratrain launch: already stopping the job (got {signal.Signals(signum).name} again); "
+                "waiting for torchrun to end its workers",
+                file=sys.stderr,
+            )
+            return
+        forwarded.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signum)
+
+    previous = {}
+    for signum in _FORWARDED_SIGNALS:
+        handler = signal.getsignal(signum)
+        if handler is signal.SIG_IGN or handler is None:  # ignored on purpose (nohup), or set outside Python
+            continue
+        previous[signum] = handler
+        signal.signal(signum, forward)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

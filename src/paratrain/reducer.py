@@ -1,0 +1,250 @@
+"""The gradient reducer: averages gradients across ranks in buckets, overlapped with backward.
+
+Each parameter's post-accumulate-grad hook copies its gradient into its bucket's flat buffer. When a bucket is
+complete, its all-reduce starts asynchronously, while backward carries on with earlier layers; buckets are
+launched strictly in index order so every rank issues the same collectives in the same order. A callback
+queued on the autograd engine runs when backward ends: it launches what is left, waits for every bucket,
+and writes the averaged gradients back, so the optimizer only ever sees synchronised gradients.
+
+States of one iteration: ``idle`` (nothing expected) -> ``sync`` (a forward that will synchronise) or
+``local`` (inside ``no_sync``: gradients stay local) -> back to ``idle`` when backward ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .buckets import Bucket, assign_buckets
+from .collectives import CollectiveMonitor
+from .comm_hooks import CommHook, GradBucket, allreduce_hook
+from .errors import DistributedError
+from .tree import flatten
+
+__all__ = ["Reducer"]
+
+_IDLE, _SYNC, _LOCAL = "idle", "sync", "local"
+
+
+def _queue_end_of_backward(callback: Any) -> None:
+    # the autograd engine's own hook for "backward is finished"; torch's reducer and FSDP use it too
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+class Reducer:
+    """Bucketed, overlapped gradient averaging for one set of parameters."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        *,
+        group: Any,
+        monitor: CollectiveMonitor,
+        bucket_cap_bytes: int,
+        find_unused: bool,
+        grad_as_view: bool,
+        overlap: bool = True,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.group = group
+        self.monitor = monitor
+        self.world_size = monitor.world_size
+        self.find_unused = find_unused
+        self.grad_as_view = grad_as_view
+        self.overlap = overlap
+        self.buckets: list[Bucket] = assign_buckets(self.params, bucket_cap_bytes)
+        self.buffers = [torch.zeros(b.numel, dtype=b.dtype, device=b.device) for b in self.buckets]
+        self.bucket_of = [0] * len(self.params)
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        for b, bucket in enumerate(self.buckets):
+            for i, offset in zip(bucket.indices, bucket.offsets):
+                p = self.params[i]
+                self.bucket_of[i] = b
+                self.views[i] = self.buffers[b].narrow(0, offset, p.numel()).view_as(p)
+        self.hook: CommHook = allreduce_hook
+        self.hook_state: Any = group
+        self.state = _IDLE
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ready = [False] * len(self.params)
+        self._pending = [len(b.indices) for b in self.buckets]
+        self._next = 0
+        self._launched: list[tuple[torch.futures.Future[torch.Tensor], int]] = []
+        self._callback_queued = False
+        self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self._control_device())
+
+    def _control_device(self) -> torch.device:
+        return self.buckets[0].device if self.buckets else torch.device("cpu")
+
+    # -- one iteration ----------------------------------------------------------------------------------------
+
+    def prepare(self, sync: bool) -> None:
+        """Called by every forward: the next backward synchronises (``sync``) or stays local."""
+        self._reset()
+        self.state = _SYNC if sync else _LOCAL
+
+    def mark_unreachable(self, outputs: Any) -> None:
+        """With find_unused_parameters: parameters the outputs do not depend on are ready now (gradient 0)."""
+        reached = _reachable_leaves(outputs)
+        for i, p in enumerate(self.params):
+            if id(p) not in reached:
+                self._mark_unused(i)
+
+    def on_grad(self, index: int) -> None:
+        """The post-accumulate-grad hook of parameter ``index``."""
+        if self.state == _LOCAL:
+            return
+        if self.state == _IDLE:
+            raise DistributedError(
+                f"parameter {self.names[index]!r} received a gradient, but no forward through "
+                f"DistributedDataParallel prepared this backward: every synchronised backward needs its own "
+                f"forward (a second backward over the same graph would leave ranks out of step); use no_sync() "
+                f"to accumulate gradients locally"
+            )
+        if not self._callback_queued:
+            _queue_end_of_backward(self.finish)
+            self._callback_queued = True
+        if self._ready[index]:
+            return
+        p = self.params[index]
+        grad = p.grad
+        if grad is None:
+            self._mark_unused(index)
+            return
+        if grad.is_sparse:
+            raise DistributedError(
+                f"parameter {self.names[index]!r} has a sparse gradient; DistributedDataParallel averages dense "
+                f"buckets only: use a dense Embedding (sparse=False) under DDP"
+            )
+        view = self.views[index]
+        if grad is not view:
+            view.copy_(grad)
+            if self.grad_as_view:
+                p.grad = view  # from now on autograd accumulates straight into the bucket
+        self._used[index] = 1
+        self._mark_ready(index)
+
+    def _mark_unused(self, index: int) -> None:
+        if self._ready[index]:
+            return
+        self.views[index].zero_()
+        self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        self._ready[index] = True
+        self._pending[self.bucket_of[index]] -= 1
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        # strictly in index order: every rank then issues the same collectives in the same order
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        seq = self.monitor.launched()
+        bucket = self.buckets[b]
+        grad_bucket = GradBucket(
+            b,
+            self.buffers[b],
+            [self.params[i] for i in bucket.indices],
+            [self.views[i] for i in bucket.indices],
+            b == len(self.buckets) - 1,
+            self.world_size,
+        )
+        self._launched.append((self.hook(self.hook_state, grad_bucket), seq))
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait for every bucket, write the averages into ``.grad``."""
+        if self.state != _SYNC:
+            return
+        try:
+            missing = [self.names[i] for i, ready in enumerate(self._ready) if not ready]
+            if missing and not self.find_unused:
+                raise DistributedError(
+                    f"{len(missing)} parameter(s) received no gradient in this backward: {', '.join(missing[:8])}"
+                    f"{' ...' if len(missing) > 8 else ''}. Every rank would wait for them forever; pass "
+                    f"find_unused_parameters=True if some parameters legitimately sit out a step, or make them "
+                    f"take part in the loss"
+                )
+            for i in range(len(self.params)):
+                self._mark_unused(i)  # only those not ready yet
+            self._launch_ready()
+            used = self._reduce_used() if self.find_unused else None
+            for b, (fut, seq) in enumerate(self._launched):
+                result = self.monitor.wait(fut, seq, f"gradient all-reduce of bucket {b}")
+                if result is not self.buffers[b] and isinstance(result, torch.Tensor):
+                    self.buffers[b].copy_(result)
+            globally_used = self.monitor.wait(used[0], used[1], "unused-parameter map") if used else None
+            self._write_back(globally_used)
+        finally:
+            self.state = _IDLE
+            self._callback_queued = False
+            self._launched = []  # no finished work outlives the step
+
+    def _reduce_used(self) -> tuple[torch.futures.Future[Any], int]:
+        seq = self.monitor.launched()
+        work = dist.all_reduce(self._used, group=self.group, async_op=True)
+        assert work is not None
+        return work.get_future(), seq
+
+    def _write_back(self, globally_used: Any) -> None:
+        used = None if globally_used is None else globally_used[0].tolist()
+        for i, p in enumerate(self.params):
+            if used is not None and used[i] == 0:
+                continue  # unused on every rank: the gradient stays what it was (None after zero_grad)
+            view = self.views[i]
+            if self.grad_as_view or p.grad is None:
+                p.grad = view if self.grad_as_view else view.clone()
+            elif p.grad is not view:
+                p.grad.copy_(view)
+
+    def shadow(self) -> None:
+        """Join the other ranks' gradient collectives with zeros (this rank has run out of data)."""
+        for buffer in self.buffers:
+            buffer.zero_()
+        self.reduce_buffers("joined rank")
+
+    def reduce_buffers(self, why: str = "") -> None:
+        """Average every bucket's buffer as it is now, outside backward (joined ranks; benchmarks)."""
+        self._reset()
+        for b in range(len(self.buckets)):
+            self._launch(b)
+        used = self._reduce_used() if self.find_unused else None
+        suffix = f" ({why})" if why else ""
+        for b, (fut, seq) in enumerate(self._launched):
+            self.monitor.wait(fut, seq, f"gradient all-reduce of bucket {b}{suffix}")
+        if used is not None:
+            self.monitor.wait(used[0], used[1], f"unused-parameter map{suffix}")
+        self._reset()
+
+
+def _reachable_leaves(outputs: Any) -> set[int]:
+    """ids of the leaf tensors the outputs' autograd graph reaches (their AccumulateGrad nodes)."""
+    leaves, _ = flatten(outputs)
+    reached: set[int] = set()
+    stack = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            if t.grad_fn is None:
+                reached.add(id(t))
+            else:
+                stack.append(t.grad_fn)
+    seen: set[Any] = set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return reached

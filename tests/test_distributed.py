@@ -1,0 +1,120 @@
+"""Our DistributedDataParallel against the oracle, in real processes over gloo (world sizes 2 and 3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddp_scenarios import (
+    buffers_and_state_dict,
+    comm_hooks,
+    equals_single_and_torch,
+    gradient_as_bucket_view,
+    join_uneven,
+    no_sync_accumulates,
+    process_group_required,
+    skipped_collective,
+    startup_mismatch,
+    unused_parameters,
+)
+from spawn_utils import run_ranks
+
+
+def _suite(rank: int, world: int) -> dict:
+    """Every scenario that leaves the process group usable, in one set of processes (start-up is slow)."""
+    found = {}
+    for scenario in (
+        equals_single_and_torch,
+        gradient_as_bucket_view,
+        no_sync_accumulates,
+        unused_parameters,
+        comm_hooks,
+        startup_mismatch,
+        buffers_and_state_dict,
+        join_uneven,
+    ):
+        found[scenario.__name__] = scenario(rank, world)
+    return found
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def suite(request, tmp_path_factory):
+    world = request.param
+    return world, run_ranks(_suite, world, tmp_path_factory.mktemp(f"ddp{world}"), timeout=240)
+
+
+def test_parameters_after_5_steps_equal_single_process_and_torch_ddp(suite):
+    _world, ranks = suite
+    for found in ranks:
+        r = found["equals_single_and_torch"]
+        assert r["started_equal"] == 0.0  # rank 0's initial values were broadcast
+        assert r["moved"] > 1e-3  # training changed the parameters: the comparison means something
+        assert r["vs_single"] < 1e-5
+        assert r["vs_torch"] < 1e-5
+        assert r["buckets"] >= 3
+
+
+def test_gradient_as_bucket_view(suite):
+    for found in suite[1]:
+        r = found["gradient_as_bucket_view"]
+        assert r["vs_single"] < 1e-5 and r["grad_in_bucket"]
+
+
+def test_no_sync_accumulation_equals_one_big_batch(suite):
+    for found in suite[1]:
+        r = found["no_sync_accumulates"]
+        assert r["grad_diff"] < 1e-5
+        assert r["local_differs_before_sync"]  # inside no_sync the gradients really were local
+
+
+def test_unused_parameters(suite):
+    _world, ranks = suite
+    for found in ranks:
+        r = found["unused_parameters"]
+        assert r["never_is_none"]  # unused on every rank: grad stays None
+        assert r["rank0_only_diff"] < 1e-6  # used on rank 0 only: its gradient averaged with zeros
+        # used everywhere with x = rank + 1: the bias gradient of sum() is 2 per row on every rank
+        assert r["used_grad"] == pytest.approx([2.0, 2.0, 2.0])
+        assert "never.weight" in r["strict_error"] and "find_unused_parameters=True" in r["strict_error"]
+
+
+def test_compression_hooks_stay_close_to_plain_all_reduce_over_100_steps(suite):
+    for found in suite[1]:
+        r = found["comm_hooks"]
+        assert r["fp16"] < 5e-3
+        assert r["bf16"] < 3e-2
+        assert r["fp16"] > 0 or r["bf16"] > 0  # they really compressed
+
+
+def test_startup_mismatch_names_parameter_and_ranks(suite):
+    _world, ranks = suite
+    for message in (found["startup_mismatch"] for found in ranks):
+        assert "rank 0 has '0.weight' (5, 4) float32 but rank 1 has '0.weight' (6, 4) float32" in message
+        assert "ranks 1 differ from rank 0" in message
+
+
+def test_buffers_broadcast_and_state_dict(suite):
+    _world, ranks = suite
+    assert len({found["buffers_and_state_dict"]["after_start"] for found in ranks}) == 1
+    for found in ranks:
+        r = found["buffers_and_state_dict"]
+        assert r["running_mean"] == [10.0] * 4  # rank 0's value, broadcast at the forward
+        assert r["keys"][0].startswith("module.") and r["round_trip"]
+
+
+def test_uneven_inputs_finish_under_join(suite):
+    world, ranks = suite
+    assert [found["join_uneven"]["done"] for found in ranks] == [2 + 2 * r for r in range(world)]
+    assert ranks[-1]["join_uneven"]["vs_replay"] < 1e-5
+
+
+def test_a_rank_that_skips_a_collective_is_named(tmp_path):
+    results = run_ranks(skipped_collective, 3, tmp_path, timeout=60)
+    assert results[2] == "skipped"
+    for message in results[:2]:
+        assert "did not complete within 2s" in message
+        assert "rank(s) 2 did not arrive" in message
+        assert float(message.split("s:")[0]) < 10
+
+
+def test_without_a_process_group_the_error_says_how_to_start():
+    assert "init_process_group" in process_group_required()

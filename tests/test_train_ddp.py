@@ -1,0 +1,149 @@
+"""`paratrain train --strategy ddp` and the ddp example end to end: real torchrun, real processes, gloo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.checkpoint import latest_checkpoint, load_checkpoint
+from paratrain.launch import free_port
+from paratrain.train import TrainConfig, train
+
+EPOCHS = "2"
+TIMEOUT = 180
+
+
+def _train(*args: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "paratrain", "train", "--quiet", "--epochs", EPOCHS, *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    return out
+
+
+def _metrics(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("single")
+    result = train(TrainConfig(epochs=int(EPOCHS), quiet=True, checkpoint_dir=str(directory)))
+    return result, load_checkpoint(latest_checkpoint(directory))["model"]
+
+
+def _close_to_single(single, checkpoint_dir: Path, metrics: dict) -> None:
+    result, params = single
+    assert metrics["test_accuracy"] == result.test_accuracy
+    mine = load_checkpoint(latest_checkpoint(checkpoint_dir))["model"]
+    assert list(mine) == list(params)  # no "module." prefix
+    for key in params:
+        torch.testing.assert_close(mine[key], params[key], atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ddp2")
+    out = _finish(
+        _train(
+            "--strategy",
+            "ddp",
+            "--nproc-per-node",
+            "2",
+            "--checkpoint-dir",
+            str(directory / "ckpt"),
+            "--metrics-out",
+            str(directory / "m.json"),
+        )
+    )
+    return directory, out
+
+
+def test_ddp_two_processes_match_single(single, two_processes):
+    directory, out = two_processes
+    metrics = _metrics(directory / "m.json")
+    assert metrics["strategy"] == "ddp" and metrics["world_size"] == 2 and metrics["devices"] == ["cpu", "cpu"]
+    assert out.count("Done:") == 1  # only rank 0 prints
+    _close_to_single(single, directory / "ckpt", metrics)
+
+
+def test_ddp_three_processes_resume_on_every_rank(single, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ("--strategy", "ddp", "--nproc-per-node", "3", "--checkpoint-dir", str(ckpt))
+    _finish(_train(*common, "--checkpoint-every", "7", "--max-steps", "30"))
+    state = load_checkpoint(latest_checkpoint(ckpt))
+    assert (state["epoch"], state["batch"]) == (1, 7)
+    _finish(_train(*common, "--resume", "--metrics-out", str(tmp_path / "resumed.json")))
+    resumed = _metrics(tmp_path / "resumed.json")
+    assert resumed["resumed_from"] and resumed["world_size"] == 3
+    _close_to_single(single, ckpt, resumed)
+    _finish(_train("--strategy", "ddp", "--nproc-per-node", "3", "--metrics-out", str(tmp_path / "full.json")))
+    assert resumed["model_fingerprint"] == _metrics(tmp_path / "full.json")["model_fingerprint"]
+
+
+def test_two_node_agents_on_one_machine_equal_one_node(two_processes, tmp_path):
+    port = str(free_port())
+    nodes = [
+        _train(
+            "--strategy",
+            "ddp",
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            "--metrics-out",
+            str(tmp_path / f"m{rank}.json"),
+        )
+        for rank in (0, 1)
+    ]
+    for proc in nodes:
+        _finish(proc)
+    metrics = _metrics(tmp_path / "m0.json")
+    assert not (tmp_path / "m1.json").exists()  # only global rank 0 writes
+    assert metrics["world_size"] == 2
+    one_node = _metrics(two_processes[0] / "m.json")
+    assert metrics["model_fingerprint"] == one_node["model_fingerprint"]
+
+
+def test_ddp_example_through_the_launcher():
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "paratrain",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            str(root / "examples" / "mnist_ddp.py"),
+            "--epochs",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("Test accuracy: ") == 1
+    assert "ddp, 2 processes" in result.stdout
+
+
+def test_ddp_outside_a_launcher_says_how_to_start():
+    from paratrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="paratrain launch --nproc-per-node N"):
+        train(TrainConfig(strategy="ddp", quiet=True))
