@@ -72,20 +72,35 @@ def step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], 
 def bench_steps(
     name: str, batch: int, replicas: list[int], repeats: int, device: str, rows: list, results: list
 ) -> None:
+    """Plain and DataParallel steps, interleaved one step each in turn so drift hits them alike."""
     torch.manual_seed(0)
     base = MODELS[name]().to(device)
     x = torch.randn(batch, 784, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
-    plain = median(time_call(step_fn(copy.deepcopy(base), x, y), repeats=repeats, device=device))
-    rows.append([name, f"{n_params(base) / 1e6:.2f}M", batch, "plain", plain * 1e3, 1.0])
-    results.append({"model": name, "batch": batch, "mode": "plain", "step_ms": plain * 1e3, "ratio": 1.0})
-    for n in replicas:
-        dp = DataParallel(copy.deepcopy(base), device_ids=[device] * n)
-        t = median(time_call(step_fn(dp, x, y), repeats=repeats, device=device))
-        dp.close()
-        label = f"dp x{n} {device}"
+    wrapped = {n: DataParallel(copy.deepcopy(base), device_ids=[device] * n) for n in replicas}
+    steps = {"plain": step_fn(copy.deepcopy(base), x, y)}
+    steps.update({f"dp x{n} {device}": step_fn(dp, x, y) for n, dp in wrapped.items()})
+    samples = interleaved(steps, repeats, device)
+    plain = median(samples["plain"])
+    for label, times in samples.items():
+        t = median(times)
         rows.append([name, f"{n_params(base) / 1e6:.2f}M", batch, label, t * 1e3, t / plain])
         results.append({"model": name, "batch": batch, "mode": label, "step_ms": t * 1e3, "ratio": t / plain})
+    for dp in wrapped.values():
+        dp.close()
+
+
+def interleaved(steps: dict[str, Callable[[], None]], repeats: int, device: str) -> dict[str, list[float]]:
+    """Seconds per call of each step, one call of each in turn (order alternating), after a warm-up."""
+    order = list(steps.items())
+    samples: dict[str, list[float]] = {label: [] for label in steps}
+    for _ in range(3):
+        for _, fn in order:
+            fn()
+    for i in range(repeats):
+        for label, fn in order if i % 2 == 0 else order[::-1]:
+            samples[label].extend(time_call(fn, repeats=1, warmup=0, device=device))
+    return samples
 
 
 def bench_replicate(name: str, n: int, repeats: int, device: str, rows: list, results: list) -> None:

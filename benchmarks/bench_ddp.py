@@ -102,8 +102,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     for _ in range(args.warmup):
         for step in steps.values():
             step()
-    for _ in range(args.repeats):
-        for name, step in steps.items():
+    order = list(steps.items())
+    for i in range(args.repeats):
+        for name, step in order if i % 2 == 0 else order[::-1]:  # alternate the order: no seat is favoured
             samples[name].append(_timed(step, device))
 
     # bandwidth: every bucket of our reducer, launched together, against one flat all-reduce of the same size
@@ -115,9 +116,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     for _ in range(args.warmup):
         dist.all_reduce(flat)
         reducer.reduce_buffers()
-    for _ in range(args.repeats):
-        bandwidth["flat all_reduce"].append(_timed(lambda: dist.all_reduce(flat), device))
-        bandwidth["paratrain buckets"].append(_timed(reducer.reduce_buffers, device))
+    ways: list[tuple[str, Callable[[], Any]]] = [
+        ("flat all_reduce", lambda: dist.all_reduce(flat)),
+        ("paratrain buckets", reducer.reduce_buffers),
+    ]
+    for i in range(args.repeats * 2):
+        for name, fn in ways if i % 2 == 0 else ways[::-1]:  # alternate the order: no seat is favoured
+            bandwidth[name].append(_timed(fn, device))
     result = {
         "params": params,
         "buckets": [{"index": b.index, "params": len(b.indices), "mb": b.nbytes / 2**20} for b in reducer.buckets],

@@ -253,3 +253,29 @@ def process_group_required() -> str:
     except DistributedError as exc:
         return str(exc)
     return "no error"
+
+
+def parallel_with_tiny_batches(rank: int, world: int) -> dict[str, Any]:
+    """Through Parallel and a user's DataLoader: global batches of 2 leave rank 2 of 3 with nothing."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import paratrain
+
+    g = torch.Generator().manual_seed(4)
+    data = TensorDataset(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g))
+    reference = mlp()
+    opt_r = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in DataLoader(data, batch_size=2):
+        opt_r.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        opt_r.step()
+    par = paratrain.Parallel("ddp", "cpu")
+    model, loader = par.prepare(mlp(), DataLoader(data, batch_size=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = []
+    for x, y in loader:
+        local.append(len(x))
+        opt.zero_grad()
+        par.backward(F.cross_entropy(model(x), y))
+        opt.step()
+    return {"local": local, "vs_single": max_diff(par.unwrap(model), reference)}

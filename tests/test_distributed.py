@@ -11,6 +11,7 @@ from ddp_scenarios import (
     gradient_as_bucket_view,
     join_uneven,
     no_sync_accumulates,
+    parallel_with_tiny_batches,
     process_group_required,
     skipped_collective,
     startup_mismatch,
@@ -26,6 +27,7 @@ def _suite(rank: int, world: int) -> dict:
         equals_single_and_torch,
         gradient_as_bucket_view,
         no_sync_accumulates,
+        parallel_with_tiny_batches,
         unused_parameters,
         comm_hooks,
         startup_mismatch,
@@ -105,6 +107,14 @@ def test_uneven_inputs_finish_under_join(suite):
     world, ranks = suite
     assert [found["join_uneven"]["done"] for found in ranks] == [2 + 2 * r for r in range(world)]
     assert ranks[-1]["join_uneven"]["vs_replay"] < 1e-5
+
+
+def test_parallel_with_global_batches_smaller_than_the_world(suite):
+    world, ranks = suite
+    expected_local = [1, 1, 0] if world == 3 else [1, 1]
+    assert [found["parallel_with_tiny_batches"]["local"][0] for found in ranks] == expected_local
+    for found in ranks:
+        assert found["parallel_with_tiny_batches"]["vs_single"] < 1e-5
 
 
 def test_a_rank_that_skips_a_collective_is_named(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,9 @@ TIMEOUT = 180
 
 def _train(*args: str) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "paratrain", "train", "--quiet", "--epochs", EPOCHS, *args]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # one thread per worker whatever the node layout: thread counts change float summation order
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _finish(proc: subprocess.Popen[str]) -> str:

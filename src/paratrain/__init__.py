@@ -5,6 +5,7 @@ model = paratrain.DataParallel(model, device_ids=[0, 1])
 """
 
 from .data_parallel import DataParallel
+from .distributed import DistributedDataParallel
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -27,6 +28,7 @@ __all__ = [
     "DataError",
     "DataParallel",
     "DeviceError",
+    "DistributedDataParallel",
     "DistributedError",
     "GatherError",
     "Parallel",

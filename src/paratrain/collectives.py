@@ -8,22 +8,25 @@ them.
 
     monitor = CollectiveMonitor(group, timeout=60.0, namespace="ddp0")
     seq = monitor.launched()
-    fut = dist.all_reduce(t, async_op=True).get_future()
-    monitor.wait(fut, seq, "gradient all-reduce of bucket 0")
+    work = dist.all_reduce(t, async_op=True)
+    monitor.wait(work, seq, "gradient all-reduce of bucket 0")
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .errors import DistributedError
 
 __all__ = ["CollectiveMonitor", "to_seconds"]
+
+
+_PUBLISH_INTERVAL_S = 0.2
 
 
 def to_seconds(timeout: float | timedelta | None) -> float | None:
@@ -81,6 +84,8 @@ class _Board:
                 except Exception:  # the store went away (shutdown): nothing left to report to
                     return
                 written = latest
+            # at most a few writes a second: timeouts are seconds long, and the step must not pay for this
+            time.sleep(_PUBLISH_INTERVAL_S)
 
     def behind(self, seq: int) -> tuple[list[int], list[int]]:
         """Ranks whose published count is below ``seq`` (they never launched collective ``seq``), and ranks
@@ -128,18 +133,27 @@ class CollectiveMonitor:
             self._board.post(self._seq)
         return self._seq
 
-    def wait(self, fut: torch.futures.Future[Any], seq: int, what: str) -> Any:
-        """The future's value, or DistributedError naming the ranks that did not arrive within the timeout."""
-        if self.timeout is not None and not fut.done():
-            done = threading.Event()
-            fut.add_done_callback(lambda _: done.set())
-            if not done.wait(self.timeout):
-                raise self.timeout_error(seq, what)
-        return fut.wait()
+    def wait(self, handle: Any, seq: int, what: str) -> Any:
+        """Wait for a ``Work`` (from ``async_op=True``) or a future; DistributedError after the timeout.
 
-    def wait_work(self, work: Any, seq: int, what: str) -> None:
-        """Like :meth:`wait`, for a ``Work`` handle from ``async_op=True``."""
-        self.wait(work.get_future(), seq, what)
+        A ``Work`` is waited on directly with the backend's own timeout (no Python runs on the backend's
+        threads); a future (from a communication hook) through a completion callback. Returns the future's
+        value, or None for a ``Work``.
+        """
+        if not isinstance(handle, dist.Work):  # a future (torch._C.Future, not always torch.futures.Future)
+            if self.timeout is not None and not handle.done():
+                done = threading.Event()
+                handle.add_done_callback(lambda _: done.set())
+                if not done.wait(self.timeout):
+                    raise self.timeout_error(seq, what)
+            return handle.wait()
+        try:
+            handle.wait() if self.timeout is None else handle.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise self.timeout_error(seq, what) from exc
+            raise DistributedError(f"rank {self.rank}: {what} (collective #{seq}) failed: {exc}") from exc
+        return None
 
     def timeout_error(self, seq: int, what: str) -> DistributedError:
         if self._board is None:

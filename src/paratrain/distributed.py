@@ -152,7 +152,7 @@ class DistributedDataParallel(nn.Module):
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         seq = self.monitor.launched()
         work = dist.all_gather(everyone, mine, group=self.process_group, async_op=True)
-        self.monitor.wait_work(work, seq, "start-up parameter check")
+        self.monitor.wait(work, seq, "start-up parameter check")
         if all(int(t) == int(everyone[0]) for t in everyone):
             return
         signatures: list[Any] = [None] * self.world_size
@@ -172,7 +172,7 @@ class DistributedDataParallel(nn.Module):
                 seq = self.monitor.launched()
                 src = dist.get_global_rank(self.process_group, 0)  # type: ignore[arg-type]  # the group's rank 0
                 work = dist.broadcast(flat, src=src, group=self.process_group, async_op=True)
-                self.monitor.wait_work(work, seq, what)
+                self.monitor.wait(work, seq, what)
                 for t, piece in zip(members, flat.split([t.numel() for t in members])):
                     t.copy_(piece.view_as(t))
 
@@ -246,7 +246,7 @@ class Join:
         flags = torch.tensor([active, sync], dtype=torch.int64, device=ddp._control_device())
         seq = ddp.monitor.launched()
         work = dist.all_reduce(flags, group=ddp.process_group, async_op=True)
-        ddp.monitor.wait_work(work, seq, "join: active-rank count")
+        ddp.monitor.wait(work, seq, "join: active-rank count")
         return int(flags[0]), int(flags[1])
 
     def announce(self, sync: bool) -> None:

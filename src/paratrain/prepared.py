@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import RandomSampler
 
 from .loader import DeviceLoader
 from .strategies import Strategy
@@ -79,20 +80,35 @@ class PreparedLoader:
             if callable(set_epoch):
                 set_epoch(epoch)
 
+    def _same_order_everywhere(self) -> None:
+        """Every process must see the same global batches: the shuffle order comes from rank 0.
+
+        A DataLoader's RandomSampler without a generator draws its seed from the global RNG, which drifts
+        apart across processes as soon as they draw different amounts of randomness (dropout on slices of
+        different sizes, say).
+        """
+        sampler = getattr(self.loader, "sampler", None)
+        if self.strategy.world_size == 1 or not isinstance(sampler, RandomSampler):
+            return
+        seed = int(torch.empty((), dtype=torch.int64).random_().item()) if self.strategy.is_main else 0
+        generator = sampler.generator if sampler.generator is not None else torch.Generator()
+        sampler.generator = generator.manual_seed(int(self.strategy.broadcast_object(seed)))
+
     def __iter__(self) -> Iterator[Any]:
         device = self.strategy.device
+        self._same_order_everywhere()
         for batch in self.loader:
             leaves, spec = flatten(batch)
             sized = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
             total = int(sized[0].shape[0]) if sized else 0
-            mine = self.strategy.shard(torch.arange(total)) if total else None
+            mine = self.strategy.shard(torch.arange(total))  # a contiguous slice of the global batch
+            start, count = (int(mine[0]), int(mine.numel())) if mine.numel() else (0, 0)
             moved = []
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
-                    if mine is not None and leaf.dim() > 0 and mine.numel() != total:
-                        leaf = leaf[mine[0] : mine[0] + mine.numel()] if mine.numel() else leaf[:0]
+                    if leaf.dim() > 0 and count != total:
+                        leaf = leaf.narrow(0, start, count)
                     leaf = leaf.to(device, non_blocking=True)
                 moved.append(leaf)
-            self.sizes.local = int(mine.numel()) if mine is not None else 0
-            self.sizes.total = total
+            self.sizes.local, self.sizes.total = count, total
             yield unflatten(moved, spec)

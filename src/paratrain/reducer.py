@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .buckets import Bucket, assign_buckets
 from .collectives import CollectiveMonitor
-from .comm_hooks import CommHook, GradBucket, allreduce_hook
+from .comm_hooks import CommHook, GradBucket
 from .errors import DistributedError
 from .tree import flatten
 
@@ -66,7 +66,9 @@ class Reducer:
                 p = self.params[i]
                 self.bucket_of[i] = b
                 self.views[i] = self.buffers[b].narrow(0, offset, p.numel()).view_as(p)
-        self.hook: CommHook = allreduce_hook
+        # None: the built-in average, which divides while copying gradients in (one pass, as torch's reducer
+        # does) and then sums with a plain all-reduce; a registered hook gets the undivided buffer instead
+        self.hook: CommHook | None = None
         self.hook_state: Any = group
         self.state = _IDLE
         self._reset()
@@ -75,7 +77,7 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._pending = [len(b.indices) for b in self.buckets]
         self._next = 0
-        self._launched: list[tuple[torch.futures.Future[torch.Tensor], int]] = []
+        self._launched: list[tuple[Any, int]] = []  # (Work or hook future, collective number) per bucket
         self._callback_queued = False
         self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self._control_device())
 
@@ -123,8 +125,15 @@ class Reducer:
                 f"buckets only: use a dense Embedding (sparse=False) under DDP"
             )
         view = self.views[index]
-        if grad is not view:
-            view.copy_(grad)
+        divide = self.hook is None and self.world_size > 1
+        if grad is view:
+            if divide:
+                view.div_(self.world_size)
+        else:
+            if divide:
+                torch.div(grad, self.world_size, out=view)
+            else:
+                view.copy_(grad)
             if self.grad_as_view:
                 p.grad = view  # from now on autograd accumulates straight into the bucket
         self._used[index] = 1
@@ -150,6 +159,9 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         seq = self.monitor.launched()
+        if self.hook is None:
+            self._launched.append((dist.all_reduce(self.buffers[b], group=self.group, async_op=True), seq))
+            return
         bucket = self.buckets[b]
         grad_bucket = GradBucket(
             b,
@@ -178,25 +190,24 @@ class Reducer:
                 self._mark_unused(i)  # only those not ready yet
             self._launch_ready()
             used = self._reduce_used() if self.find_unused else None
-            for b, (fut, seq) in enumerate(self._launched):
-                result = self.monitor.wait(fut, seq, f"gradient all-reduce of bucket {b}")
-                if result is not self.buffers[b] and isinstance(result, torch.Tensor):
+            for b, (handle, seq) in enumerate(self._launched):
+                result = self.monitor.wait(handle, seq, f"gradient all-reduce of bucket {b}")
+                # None: a plain all-reduce, in place; a hook's future gives the averaged bucket
+                if isinstance(result, torch.Tensor) and result is not self.buffers[b]:
                     self.buffers[b].copy_(result)
-            globally_used = self.monitor.wait(used[0], used[1], "unused-parameter map") if used else None
-            self._write_back(globally_used)
+            if used is not None:
+                self.monitor.wait(used[0], used[1], "unused-parameter map")
+            self._write_back(self._used.tolist() if used is not None else None)
         finally:
             self.state = _IDLE
             self._callback_queued = False
             self._launched = []  # no finished work outlives the step
 
-    def _reduce_used(self) -> tuple[torch.futures.Future[Any], int]:
+    def _reduce_used(self) -> tuple[Any, int]:
         seq = self.monitor.launched()
-        work = dist.all_reduce(self._used, group=self.group, async_op=True)
-        assert work is not None
-        return work.get_future(), seq
+        return dist.all_reduce(self._used, group=self.group, async_op=True), seq
 
-    def _write_back(self, globally_used: Any) -> None:
-        used = None if globally_used is None else globally_used[0].tolist()
+    def _write_back(self, used: list[int] | None) -> None:
         for i, p in enumerate(self.params):
             if used is not None and used[i] == 0:
                 continue  # unused on every rank: the gradient stays what it was (None after zero_grad)
@@ -213,14 +224,14 @@ class Reducer:
         self.reduce_buffers("joined rank")
 
     def reduce_buffers(self, why: str = "") -> None:
-        """Average every bucket's buffer as it is now, outside backward (joined ranks; benchmarks)."""
+        """All-reduce every bucket's buffer as it is now, outside backward (joined ranks; benchmarks)."""
         self._reset()
         for b in range(len(self.buckets)):
             self._launch(b)
         used = self._reduce_used() if self.find_unused else None
         suffix = f" ({why})" if why else ""
-        for b, (fut, seq) in enumerate(self._launched):
-            self.monitor.wait(fut, seq, f"gradient all-reduce of bucket {b}{suffix}")
+        for b, (handle, seq) in enumerate(self._launched):
+            self.monitor.wait(handle, seq, f"gradient all-reduce of bucket {b}{suffix}")
         if used is not None:
             self.monitor.wait(used[0], used[1], f"unused-parameter map{suffix}")
         self._reset()
