@@ -19,9 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_common import median, print_table, time_call, write_json
+from bench_common import median, print_table, sgd_step, time_call, write_json
 from torch import nn
-from torch.nn import functional as F
 
 from paratrain import DataParallel
 from paratrain.models import SimpleNet
@@ -58,17 +57,6 @@ def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    return step
-
-
 def bench_steps(
     name: str, batch: int, replicas: list[int], repeats: int, device: str, rows: list, results: list
 ) -> None:
@@ -78,8 +66,8 @@ def bench_steps(
     x = torch.randn(batch, 784, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     wrapped = {n: DataParallel(copy.deepcopy(base), device_ids=[device] * n) for n in replicas}
-    steps = {"plain": step_fn(copy.deepcopy(base), x, y)}
-    steps.update({f"dp x{n} {device}": step_fn(dp, x, y) for n, dp in wrapped.items()})
+    steps = {"plain": sgd_step(copy.deepcopy(base), x, y)}
+    steps.update({f"dp x{n} {device}": sgd_step(dp, x, y) for n, dp in wrapped.items()})
     samples = interleaved(steps, repeats, device)
     plain = median(samples["plain"])
     for label, times in samples.items():
@@ -138,19 +126,19 @@ def bench_gpu(repeats: int, rows: list, results: list) -> None:
         for batch in (64, 1024):
             x = torch.randn(batch, 784, device="cuda")
             y = torch.randint(0, 10, (batch,), device="cuda")
-            plain = median(time_call(step_fn(copy.deepcopy(base), x, y), repeats=repeats, device="cuda"))
+            plain = median(time_call(sgd_step(copy.deepcopy(base), x, y), repeats=repeats, device="cuda"))
             entries: list[tuple[str, float]] = [("plain cuda:0", plain)]
             for n in (2, 4):
                 dp = DataParallel(copy.deepcopy(base), device_ids=["cuda:0"] * n)
-                entries.append((f"paratrain dp cuda:0 x{n}", median(time_call(step_fn(dp, x, y), repeats=repeats))))
+                entries.append((f"paratrain dp cuda:0 x{n}", median(time_call(sgd_step(dp, x, y), repeats=repeats))))
                 dp.close()
             try:
                 tdp = nn.DataParallel(copy.deepcopy(base), device_ids=[0, 0])
-                entries.append(("torch dp [0, 0]", median(time_call(step_fn(tdp, x, y), repeats=repeats))))
+                entries.append(("torch dp [0, 0]", median(time_call(sgd_step(tdp, x, y), repeats=repeats))))
             except Exception as exc:  # torch may refuse repeated devices
                 entries.append((f"torch dp [0, 0] refused: {type(exc).__name__}", float("nan")))
             tdp1 = nn.DataParallel(copy.deepcopy(base), device_ids=[0])
-            entries.append(("torch dp [0]", median(time_call(step_fn(tdp1, x, y), repeats=repeats))))
+            entries.append(("torch dp [0]", median(time_call(sgd_step(tdp1, x, y), repeats=repeats))))
             for label, t in entries:
                 rows.append([name, batch, label, t * 1e3, t / plain])
                 results.append({"model": name, "batch": batch, "mode": label, "step_ms": t * 1e3, "ratio": t / plain})

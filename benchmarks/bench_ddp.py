@@ -33,9 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_common import print_table, write_json
+from bench_common import print_table, sgd_step, write_json
 from torch import nn
-from torch.nn import functional as F
 
 from paratrain.distributed import DistributedDataParallel
 from paratrain.launch import free_port
@@ -56,17 +55,6 @@ def mlp(width: int, depth: int) -> nn.Module:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    return step
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> float:
@@ -97,7 +85,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         "paratrain DDP": DistributedDataParallel(copy.deepcopy(base), device_ids=ids),
         "paratrain DDP, no overlap": DistributedDataParallel(copy.deepcopy(base), device_ids=ids, overlap=False),
     }
-    steps = {name: _step_fn(model, x, y) for name, model in modes.items()}
+    steps = {name: sgd_step(model, x, y) for name, model in modes.items()}
     samples: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(args.warmup):
         for step in steps.values():

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from . import demo, env_info
+from .argtypes import non_negative_int, positive_float, positive_int
 from .cli_launch import add_launch_parser, add_launcher_options, launch_config, report_exit
 from .datasets import DATASET_NAMES
 from .devices import parse_devices_arg
@@ -26,36 +27,6 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, found {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, found {value}")
-    return value
-
-
 def _add_train(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     tr = commands.add_parser(
         "train",
@@ -65,10 +36,10 @@ def _add_train(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     tr.add_argument("--model", default="simplenet", choices=MODEL_NAMES)
     tr.add_argument("--dataset", default="digits", choices=DATASET_NAMES)
-    tr.add_argument("--epochs", type=_positive_int, default=5)
-    tr.add_argument("--batch-size", type=_positive_int, default=64, help="global batch size (default 64)")
-    tr.add_argument("--lr", type=_positive_float, default=0.01, help="SGD learning rate (default 0.01)")
-    tr.add_argument("--log-every", type=_positive_int, default=100, help="print the loss every N steps")
+    tr.add_argument("--epochs", type=positive_int, default=5)
+    tr.add_argument("--batch-size", type=positive_int, default=64, help="global batch size (default 64)")
+    tr.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (default 0.01)")
+    tr.add_argument("--log-every", type=positive_int, default=100, help="print the loss every N steps")
     tr.add_argument("--strategy", default="auto", choices=STRATEGY_NAMES)
     tr.add_argument("--devices", default="auto", help="auto, cpu, cuda, cuda:0,cuda:1, cpu,cpu,cpu (CPU replicas)")
     tr.add_argument("--seed", type=int, default=0)
@@ -76,14 +47,14 @@ def _add_train(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     tr.add_argument("--checkpoint-dir", help="save a checkpoint there at the end of every epoch")
     tr.add_argument(
         "--checkpoint-every",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="also save every N steps (default: only at epoch ends)",
     )
     tr.add_argument(
         "--keep-checkpoints",
-        type=_positive_int,
+        type=positive_int,
         default=3,
         metavar="K",
         help="keep the newest K checkpoints (default 3)",
@@ -98,12 +69,12 @@ def _add_train(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     tr.add_argument("--metrics-out", metavar="FILE.json", help="write the results as JSON")
     tr.add_argument("--quiet", action="store_true", help="no progress bar and no per-step lines")
-    tr.add_argument("--width", type=_positive_int, default=1024, help="hidden width of --model mlp")
-    tr.add_argument("--depth", type=_non_negative_int, default=2, help="hidden layers of --model mlp")
-    tr.add_argument("--max-steps", type=_positive_int, metavar="N", help="stop after N steps (smoke runs)")
+    tr.add_argument("--width", type=positive_int, default=1024, help="hidden width of --model mlp")
+    tr.add_argument("--depth", type=non_negative_int, default=2, help="hidden layers of --model mlp")
+    tr.add_argument("--max-steps", type=positive_int, metavar="N", help="stop after N steps (smoke runs)")
     tr.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         default=300.0,
         metavar="SECONDS",
         help="ddp: how long a collective may wait for the other ranks before failing (default 300)",
@@ -129,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = commands.add_parser("demo", help="the first seed's DataParallel demo: how each batch is split")
     dm.add_argument("--devices", default="auto", help="auto (every GPU, or cpu,cpu without one), cpu,cpu,cpu, 0,1, ...")
-    dm.add_argument("--batch-size", type=_positive_int, default=30)
-    dm.add_argument("--data-size", type=_positive_int, default=100)
+    dm.add_argument("--batch-size", type=positive_int, default=30)
+    dm.add_argument("--data-size", type=positive_int, default=100)
     dm.add_argument("--seed", type=int, default=0)
     dm.set_defaults(handler=_demo)
     return parser

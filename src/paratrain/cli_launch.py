@@ -10,21 +10,10 @@ import argparse
 import signal
 import sys
 
+from .argtypes import positive_int_or_auto
 from .launch import LaunchConfig, launch
 
 __all__ = ["add_launch_parser", "add_launcher_options", "launch_config"]
-
-
-def _nproc_arg(text: str) -> int | str:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', found {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', found {value}")
-    return value
 
 
 def add_launcher_options(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +22,7 @@ def add_launcher_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("processes and machines (torchrun)")
     group.add_argument(
         "--nproc-per-node",
-        type=_nproc_arg,
+        type=positive_int_or_auto,
         default=defaults.nproc_per_node,
         metavar="N|auto",
         help="processes on this machine (default auto: one per GPU, one without a GPU)",
