@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=2048, help="hidden width (default 2048: about 10M parameters)")
     parser.add_argument("--depth", type=int, default=3, help="hidden layers (default 3)")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
-    parser.add_argument("--repeats", type=int, help="timed steps per mode (default 20; 4 with --quick)")
+    parser.add_argument("--repeats", type=int, help="timed steps per mode (default 40; 4 with --quick)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch threads per process (default: cores / world size)")
     parser.add_argument("--quick", action="store_true", help="few repeats: a smoke run, not a measurement")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--gpu asked for, but no GPU is visible", file=sys.stderr)
         return 2
     world = args.world_size or (1 if args.gpu else 2)
-    args.repeats = args.repeats or (4 if args.quick else 20)
+    args.repeats = args.repeats or (4 if args.quick else 40)
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.json")

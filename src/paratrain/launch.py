@@ -33,28 +33,18 @@ and the caller can stop it after a timeout.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
-import signal
 import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import FrameType
 
 from .errors import ConfigError, DistributedError
+from .supervise import supervise
 
 __all__ = ["LaunchConfig", "free_port", "launch", "local_world_size", "torchrun_args"]
-
-# the signals torchrun itself forwards to its workers (its --signals-to-handle default)
-_FORWARDED_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
-)
-# torchrun gives its workers 30 s to exit after a signal before it kills them; allow that and a margin
-_SHUTDOWN_GRACE_S = 45.0
 
 
 @dataclass(frozen=True)
@@ -366,68 +356,10 @@ def launch(
             "-m/--module to run a module"
         )
     command = [sys.executable, "-m", "torch.distributed.run", *args]
-    # own session: a Ctrl-C in the terminal reaches this process only and is forwarded once (see above)
-    process = subprocess.Popen(command, start_new_session=True, env=_worker_env(config))
-    forwarded: list[int] = []
     try:
-        with _forward_signals(process, forwarded):
-            try:
-                code = process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _stop(process)
-                raise DistributedError(
-                    f"the job did not finish within {timeout:g} s, so torchrun and its workers were stopped; "
-                    "look for a rank that hangs in a collective above, or raise the timeout"
-                ) from None
-    finally:
-        if process.poll() is None:  # an unexpected exception while waiting: leave nothing running
-            _stop(process)
-    if forwarded:
-        if forwarded[0] == signal.SIGINT:
-            raise KeyboardInterrupt
-        return 128 + forwarded[0]
-    return 128 - code if code < 0 else code  # torchrun killed by signal N: 128 + N, as a shell reports it
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM torchrun (it stops its workers), then SIGKILL it if it is still there after the grace period."""
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=_SHUTDOWN_GRACE_S)
+        return supervise(command, env=_worker_env(config), timeout=timeout)
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-@contextlib.contextmanager
-def _forward_signals(process: subprocess.Popen[bytes], forwarded: list[int]) -> Iterator[None]:
-    """While inside, forward the first of torchrun's signals to ``process``, once; ignore repeats."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        if forwarded:  # torchrun is already shutting its workers down; a second signal would cut that short
-            print(
-                f"paratrain launch: already stopping the job (got {signal.Signals(signum).name} again); "
-                "waiting for torchrun to end its workers",
-                file=sys.stderr,
-            )
-            return
-        forwarded.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signum)
-
-    previous = {}
-    for signum in _FORWARDED_SIGNALS:
-        handler = signal.getsignal(signum)
-        if handler is signal.SIG_IGN or handler is None:  # ignored on purpose (nohup), or set outside Python
-            continue
-        previous[signum] = handler
-        signal.signal(signum, forward)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        raise DistributedError(
+            f"the job did not finish within {timeout:g} s, so torchrun and its workers were stopped; "
+            "look for a rank that hangs in a collective above, or raise the timeout"
+        ) from None
