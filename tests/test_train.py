@@ -252,3 +252,13 @@ def test_examples_run_on_tiny_settings(script, extra):
     assert result.returncode == 0, result.stderr
     assert "Epoch 0, Step 0, Loss: " in result.stdout
     assert "Test accuracy: " in result.stdout
+
+
+def test_progress_bar_and_lines_go_through_the_log(capsys):
+    lines: list[str] = []
+    result = train(TrainConfig(epochs=1, progress_bar=True, log_every=10), log=lines.append)
+    err = capsys.readouterr().err
+    assert "epoch 1/1" in err and "samples_per_s" in err  # the tqdm bar, on stderr
+    steps = [line.split(",")[1].strip() for line in lines if line.startswith("Epoch 0, Step ")]
+    assert steps == ["Step 0", "Step 10", "Step 20"]
+    assert lines[-1].startswith("Done: ") and result.steps == 23
