@@ -54,10 +54,9 @@ def train_steps(
 
 
 def _detach(out: Any) -> Any:
-    from paratrain.tree import flatten, unflatten
+    from paratrain.tree import map_tensors
 
-    leaves, spec = flatten(out)
-    return unflatten([x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    return map_tensors(lambda x: x.detach().clone(), out)
 
 
 def assert_same_training(

@@ -9,7 +9,7 @@ previous checkpoint of that name. Loading says what is wrong with a bad file and
     path = latest_checkpoint("runs/mnist")
     if path is not None:
         saved = load_checkpoint(path)
-        check_compatible(model.state_dict(), saved["model"])
+        check_compatible(model.state_dict(), saved["model"])      # from paratrain.state_dicts
         model.load_state_dict(strip_module_prefix(saved["model"]))
         optimizer.load_state_dict(saved["optimizer"])
         set_rng_state(saved["rng"])                  # from paratrain.rng
@@ -34,11 +34,11 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError, ConfigError
+from .state_dicts import describe_keys
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
-    "check_compatible",
     "check_writable",
     "checkpoint_name",
     "latest_checkpoint",
@@ -46,7 +46,6 @@ __all__ = [
     "load_checkpoint",
     "prune_checkpoints",
     "save_checkpoint",
-    "strip_module_prefix",
 ]
 
 FORMAT = "paratrain-checkpoint"
@@ -54,7 +53,6 @@ FORMAT_VERSION = 1
 
 _MARKER_KEYS = ("format", "format_version")
 _NAME_PATTERN = re.compile(r"epoch-(\d+)-step-(\d+)\.pt")
-_MODULE_PREFIX = "module."
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save has written zip archives since torch 1.6
 
 # What torch.load(weights_only=True) accepts, checked by exact type: numpy.float64 subclasses float and
@@ -62,11 +60,6 @@ _ZIP_MAGIC = b"PK\x03\x04"  # torch.save has written zip archives since torch 1.
 _PYTHON_LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _TORCH_LEAF_TYPES = (torch.Size, torch.dtype, torch.device)
 _CONTAINER_TYPES = (dict, OrderedDict, list, tuple, set)
-
-_DIFFERENT_MODEL_HINT = (
-    "It was probably saved by a different model or configuration: resume with the settings that wrote it, "
-    "or start a fresh run in another checkpoint directory."
-)
 
 
 def checkpoint_name(epoch: int, step: int) -> str:
@@ -196,7 +189,11 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
         raise CheckpointError(_explain_load_failure(path, head, err)) from err
 
     if not isinstance(loaded, dict) or "format" not in loaded:
-        found = f"a dict with keys {_few(list(loaded))}" if isinstance(loaded, dict) else f"a {type(loaded).__name__}"
+        found = (
+            f"a dict with keys {describe_keys(list(loaded))}"
+            if isinstance(loaded, dict)
+            else f"a {type(loaded).__name__}"
+        )
         raise CheckpointError(
             f"{path} is a torch file but not a paratrain checkpoint: expected a dict with a 'format' key, found "
             f"{found}. If it is a bare state_dict, load it with torch.load(path, weights_only=True) instead."
@@ -254,63 +251,6 @@ def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
         except OSError as err:
             raise CheckpointError(f"could not delete old checkpoint {path}: {_describe_os_error(err)}") from err
     return doomed
-
-
-def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Remove the ``module.`` that a ``DataParallel`` / ``DistributedDataParallel`` wrapper adds to every key.
-
-    All or nothing: keys are changed only when every one of them carries the prefix, so a model that merely has
-    a submodule called ``module`` is left alone.
-    """
-    if state and all(isinstance(key, str) and key.startswith(_MODULE_PREFIX) for key in state):
-        return {key[len(_MODULE_PREFIX) :]: value for key, value in state.items()}
-    return dict(state)
-
-
-def check_compatible(
-    model_state: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor], *, what: str = "model"
-) -> None:
-    """Check that ``saved`` has the keys, shapes and dtypes of ``model_state`` before loading it.
-
-    A ``module.`` prefix on either side (a wrapped model) is ignored; load ``strip_module_prefix(saved)`` into the
-    unwrapped model. ``what`` names the thing in messages (``"model"``, ``"EMA model"``, ...).
-
-    Raises:
-        CheckpointError: keys are missing or unexpected (a few of each are listed), or the first tensor whose
-            shape or dtype differs, with both.
-    """
-    expected = strip_module_prefix(model_state)
-    found = strip_module_prefix(saved)
-    missing = [key for key in expected if key not in found]
-    unexpected = [key for key in found if key not in expected]
-    if missing or unexpected:
-        problems = []
-        if missing:
-            problems.append(f"{len(missing)} key(s) of this {what} are missing from the checkpoint: {_few(missing)}")
-        if unexpected:
-            problems.append(f"{len(unexpected)} key(s) in the checkpoint are not in this {what}: {_few(unexpected)}")
-        raise CheckpointError(
-            f"the checkpoint does not match this {what}: {'; '.join(problems)}. {_DIFFERENT_MODEL_HINT}"
-        )
-    for key, want in expected.items():
-        got = found[key]
-        if isinstance(want, torch.Tensor) != isinstance(got, torch.Tensor):
-            raise CheckpointError(
-                f"{what} entry {key!r} is a {type(got).__name__} in the checkpoint but a {type(want).__name__} "
-                f"in this {what}. {_DIFFERENT_MODEL_HINT}"
-            )
-        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
-            continue
-        if want.shape != got.shape:
-            raise CheckpointError(
-                f"{what} entry {key!r} has shape {tuple(got.shape)} in the checkpoint but {tuple(want.shape)} "
-                f"in this {what}. {_DIFFERENT_MODEL_HINT}"
-            )
-        if want.dtype != got.dtype:
-            raise CheckpointError(
-                f"{what} entry {key!r} has dtype {got.dtype} in the checkpoint but {want.dtype} in this {what}. "
-                f"{_DIFFERENT_MODEL_HINT}"
-            )
 
 
 def _check_loadable(value: Any, where: str) -> None:
@@ -396,8 +336,3 @@ def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     line = text.splitlines()[0].split(". ")[0] if text else type(err).__name__
     return line if len(line) <= 200 else line[:197] + "..."
-
-
-def _few(keys: list[Any], limit: int = 5) -> str:
-    shown = ", ".join(repr(key) for key in keys[:limit])
-    return f"[{shown}]" if len(keys) <= limit else f"[{shown}, ... {len(keys) - limit} more]"

@@ -32,7 +32,7 @@ from .comm_hooks import CommHook
 from .devices import DeviceLike, parse_device
 from .errors import ConfigError, DeviceError, DistributedError
 from .reducer import Reducer
-from .tree import flatten, unflatten
+from .tree import map_tensors
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DistributedDataParallel", "Join"]
 
@@ -186,7 +186,8 @@ class DistributedDataParallel(nn.Module):
             self._broadcast(list(self.module.buffers()), "buffer broadcast")
         self.reducer.prepare(sync)
         if self.device is not None:
-            inputs, kwargs = _move((inputs, kwargs), self.device)
+            device = self.device
+            inputs, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
         outputs = self.module(*inputs, **kwargs)
         if sync and self.find_unused_parameters:
             self.reducer.mark_unreachable(outputs)
@@ -270,12 +271,6 @@ class Join:
                     ddp.reducer.shadow()
         finally:
             self.ddp._join = None
-
-
-def _move(obj: Any, device: torch.device) -> Any:
-    leaves, spec = flatten(obj)
-    moved = [t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in leaves]
-    return unflatten(moved, spec)
 
 
 def _describe_mismatch(signatures: list[Any]) -> str:

@@ -68,6 +68,8 @@ class Reducer:
                 self.views[i] = self.buffers[b].narrow(0, offset, p.numel()).view_as(p)
         # None: the built-in average, which divides while copying gradients in (one pass, as torch's reducer
         # does) and then sums with a plain all-reduce; a registered hook gets the undivided buffer instead
+        # which parameters got a gradient on this rank (find_unused_parameters only), summed across ranks
+        self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self._control_device())
         self.hook: CommHook | None = None
         self.hook_state: Any = group
         self.state = _IDLE
@@ -79,7 +81,8 @@ class Reducer:
         self._next = 0
         self._launched: list[tuple[Any, int]] = []  # (Work or hook future, collective number) per bucket
         self._callback_queued = False
-        self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self._control_device())
+        if self.find_unused:
+            self._used.zero_()
 
     def _control_device(self) -> torch.device:
         return self.buckets[0].device if self.buckets else torch.device("cpu")
@@ -136,7 +139,8 @@ class Reducer:
                 view.copy_(grad)
             if self.grad_as_view:
                 p.grad = view  # from now on autograd accumulates straight into the bucket
-        self._used[index] = 1
+        if self.find_unused:
+            self._used[index] = 1
         self._mark_ready(index)
 
     def _mark_unused(self, index: int) -> None:

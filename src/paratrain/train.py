@@ -21,7 +21,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from .checkpoint import (
-    check_compatible,
     check_writable,
     checkpoint_name,
     latest_checkpoint,
@@ -36,6 +35,7 @@ from .parallel import Parallel, seed_everything
 from .progress import Progress
 from .results import TrainResult, fingerprint, write_metrics
 from .rng import rng_state, set_rng_state
+from .state_dicts import check_compatible
 
 __all__ = ["RESUME_MODES", "TrainConfig", "evaluate", "train"]
 

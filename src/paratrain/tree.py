@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TreeSpec", "flatten", "leaf_paths", "unflatten"]
+import torch
+
+__all__ = ["TreeSpec", "flatten", "leaf_paths", "map_tensors", "unflatten"]
 
 _LEAF = "leaf"
 _TUPLE = "tuple"
@@ -130,6 +132,12 @@ def _build(it: Iterator[Any], spec: TreeSpec) -> Any:
         if k in no_init:
             object.__setattr__(obj, k, v)
     return obj
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """The same structure with ``fn`` applied to every tensor leaf (other leaves unchanged)."""
+    leaves, spec = flatten(obj)
+    return unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
 
 def leaf_paths(spec: TreeSpec, root: str = "") -> list[str]:
