@@ -72,10 +72,10 @@ def machine() -> dict[str, Any]:
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
     for row in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
 
 
 def _fmt(value: Any) -> str:

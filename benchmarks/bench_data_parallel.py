@@ -23,8 +23,8 @@ from bench_common import median, print_table, sgd_step, time_call, write_json
 from torch import nn
 
 from paratrain import DataParallel
-from paratrain.models import SimpleNet
 from paratrain.replicate import Replicator
+from paratrain.training.models import SimpleNet
 
 
 def wide_mlp() -> nn.Module:

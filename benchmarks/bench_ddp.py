@@ -37,7 +37,6 @@ from bench_common import print_table, sgd_step, write_json
 from torch import nn
 
 from paratrain.distributed import DistributedDataParallel
-from paratrain.launch import free_port
 
 TARGET_STEP_RATIO = 1.05
 TARGET_BANDWIDTH_RATIO = 0.9
@@ -66,14 +65,16 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
     backend = "nccl" if args.gpu else "gloo"
     device = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
     if args.gpu:
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, args.threads))
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    # a file store: no port to pick, so nothing else on the machine can take it first
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     base = mlp(args.width, args.depth).to(device)
     params = sum(p.numel() for p in base.parameters())
     g = torch.Generator().manual_seed(1 + rank)
@@ -83,7 +84,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     modes: dict[str, nn.Module] = {
         "torch DDP": nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=ids),
         "paratrain DDP": DistributedDataParallel(copy.deepcopy(base), device_ids=ids),
-        "paratrain DDP, no overlap": DistributedDataParallel(copy.deepcopy(base), device_ids=ids, overlap=False),
+        "paratrain DDP, no overlap": DistributedDataParallel(copy.deepcopy(base), device_ids=ids, _overlap=False),
     }
     steps = {name: sgd_step(model, x, y) for name, model in modes.items()}
     samples: dict[str, list[float]] = {name: [] for name in modes}
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.json")
-        mp.start_processes(worker, args=(world, free_port(), args, out), nprocs=world, start_method="spawn")
+        store = str(Path(tmp) / "store")
+        mp.start_processes(worker, args=(world, store, args, out), nprocs=world, start_method="spawn")
         result = json.loads(Path(out).read_text())
     payload = report(result, world, args)
     write_json("ddp_gpu" if args.gpu else "ddp", payload, args.out)

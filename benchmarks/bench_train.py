@@ -1,18 +1,18 @@
-"""Is ``paratrain train`` faster than the second seed's loop as users write it, at the same accuracy?
+"""Is ``paratrain train`` faster than the tutorial's loop as users write it, at the same accuracy?
 
-    python benchmarks/bench_train.py                        # 5 epochs of digits60k (the seed's), median of 3
+    python benchmarks/bench_train.py                        # 5 epochs of digits60k (the tutorial's), median of 3
     python benchmarks/bench_train.py --epochs 1             # a shorter run (accuracy then differs by shuffle noise)
     python benchmarks/bench_train.py --quick                # 4,096 samples, 1 repeat: a smoke run, not a measurement
     python benchmarks/bench_train.py --device cpu --num-workers 2 --out /tmp/train.json
     python benchmarks/bench_train.py --threads 1            # steadier figures on a shared machine: 1 thread each
-    python benchmarks/bench_train.py --profile 300          # also: where 300 steps of the seed loop spend their time
+    python benchmarks/bench_train.py --profile 300          # also: where 300 tutorial-loop steps spend their time
 
 Both runs train SimpleNet on ``digits60k`` (60,000 shifted, noisy 28x28 digits) with batch 64, SGD(lr=0.01) and
 the same seed, so they start from the same weights; only the shuffle order differs.
 
-- The seed loop is the second seed's code: a Dataset holding uint8 28x28 images, as torchvision's MNIST does,
+- The tutorial loop is the tutorial's code: a Dataset holding uint8 28x28 images, as torchvision's MNIST does,
   that converts each sample in ``__getitem__`` like ``ToTensor()`` + ``Normalize((0.5,), (0.5,))``, a
-  ``DataLoader(batch_size=64, shuffle=True)``, ``torch.nn.DataParallel(SimpleNet()).to(device)`` and the seed's
+  ``DataLoader(batch_size=64, shuffle=True)``, ``torch.nn.DataParallel(SimpleNet()).to(device)`` and the tutorial's
   loop body. torchvision is not a dependency, so the transforms are written out below in torch and numpy; the
   PIL round trip torchvision's MNIST also makes per sample is left out, which makes this baseline a little faster
   than the real one.
@@ -20,7 +20,7 @@ the same seed, so they start from the same weights; only the shuffle order diffe
 
 Throughput is samples per second of the training loop only: dataset construction and evaluation are outside the
 timer. ``TrainResult.samples_per_second`` times paratrain's loop; the whole ``train()`` call (strategy set-up,
-model, evaluation) is timed too and reported beside it. Runs alternate seed, paratrain, seed, ... so drift on a
+model, evaluation) is timed too and reported beside it. Runs alternate tutorial, paratrain, tutorial, ... so drift on a
 shared machine hits both alike. The script reports against the targets (1.5x on a CPU, 20x on a GPU, accuracy
 within one point); it never fails on them.
 """
@@ -44,22 +44,22 @@ from bench_common import print_table, sync, write_json
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from paratrain.datasets import TensorData, load_dataset
-from paratrain.models import SimpleNet
-from paratrain.train import TrainConfig, train
+from paratrain.training import TrainConfig, train
+from paratrain.training.datasets import TensorData, load_dataset
+from paratrain.training.models import SimpleNet
 
 DATASET = "digits60k"
-BATCH_SIZE = 64  # the seed's
-LR = 0.01  # the seed's
+BATCH_SIZE = 64  # the tutorial's
+LR = 0.01  # the tutorial's
 QUICK_SAMPLES = 4096
 WARMUP_STEPS = 10
-# the issue's targets: paratrain / seed throughput, by device type, at test accuracy within one point
+# the issue's targets: paratrain / tutorial throughput, by device type, at test accuracy within one point
 TARGET_SPEEDUP = {"cpu": 1.5, "cuda": 20.0}
 ACCURACY_TOLERANCE = 0.01
 MEAN, STD = (0.5,), (0.5,)
 
 
-# --- the seed's data pipeline, one sample at a time --------------------------------------------------------------
+# --- the tutorial's data pipeline, one sample at a time --------------------------------------------------------------
 
 
 def to_tensor(image: np.ndarray) -> torch.Tensor:
@@ -112,7 +112,7 @@ class Run:
     loop_seconds: float
     test_accuracy: float
     call_seconds: float | None = None  # paratrain: the whole train() call
-    data_seconds: float | None = None  # seed loop: time spent waiting on the DataLoader
+    data_seconds: float | None = None  # tutorial loop: time spent waiting on the DataLoader
 
     @property
     def samples_per_second(self) -> float:
@@ -123,7 +123,7 @@ class Run:
 
 
 def seed_model(device: torch.device) -> nn.Module:
-    # the seed's nn.DataParallel(SimpleNet()).to(device): every visible GPU, or the module as is without one. With
+    # the tutorial's nn.DataParallel(SimpleNet()).to(device): every visible GPU, or the module as is without one. With
     # GPUs visible it insists on the module living on cuda:0, so a CPU run on a GPU machine uses the plain module.
     if device.type == "cpu" and torch.cuda.is_available():
         return SimpleNet()
@@ -141,7 +141,7 @@ def run_seed_loop(
     max_steps: int | None,
     log: bool,
 ) -> Run:
-    """The second seed's loop, timed from the first batch request to the last optimizer step."""
+    """The tutorial's loop, timed from the first batch request to the last optimizer step."""
     torch.manual_seed(seed)  # the same initial weights as paratrain's run, and the DataLoader's shuffle
     model = seed_model(device)
     criterion = nn.CrossEntropyLoss()
@@ -185,8 +185,8 @@ def seed_accuracy(model: nn.Module, test: TensorData, device: torch.device) -> f
 
 
 def run_paratrain(*, epochs: int, seed: int, device: torch.device, max_steps: int | None, log: bool) -> Run:
-    """``paratrain train`` with the seed's model, data, batch and learning rate, in this process."""
-    # "auto" on a GPU machine is every visible GPU, as the seed's nn.DataParallel uses
+    """``paratrain train`` with the tutorial's model, data, batch and learning rate, in this process."""
+    # "auto" on a GPU machine is every visible GPU, as the tutorial's nn.DataParallel uses
     devices = "auto" if device.type == "cuda" else str(device)
     config = TrainConfig(
         model="simplenet",
@@ -214,11 +214,11 @@ def _discard(line: str) -> None:
     pass
 
 
-# --- where the seed loop's time goes -----------------------------------------------------------------------------
+# --- where the tutorial loop's time goes -----------------------------------------------------------------------------
 
 
 def profile_seed_loop(train_set: SeedDigits, test: TensorData, steps: int, device: torch.device) -> dict[str, Any]:
-    """cProfile over ``steps`` steps of the seed loop: time by stage, and the functions with most time of their own.
+    """cProfile over ``steps`` steps of the tutorial loop: time by stage, and the functions with most time of their own.
 
     Run it after the warm-up: the first SGD constructor imports torch._dynamo, seconds that are no loop's cost.
     """
@@ -339,12 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     para_seconds = median_of(paratrain_runs, "loop_seconds")
     call_seconds = median_of(paratrain_runs, "call_seconds")
     rows = [
-        ["seed loop (per-sample DataLoader)", seed_rate, seed_seconds, seed_acc, 1.0],
+        ["tutorial loop (per-sample DataLoader)", seed_rate, seed_seconds, seed_acc, 1.0],
         ["paratrain train (loop)", para_rate, para_seconds, para_acc, para_rate / seed_rate],
         ["paratrain train() call", para_call_rate, call_seconds, para_acc, para_call_rate / seed_rate],
     ]
-    print_table(["run", "samples/s", "seconds", "test acc", "x seed"], rows)
-    print(f"\nthe seed loop waits on its DataLoader for {data_share:.0%} of its loop time")
+    print_table(["run", "samples/s", "seconds", "test acc", "x tutorial"], rows)
+    print(f"\nthe tutorial loop waits on its DataLoader for {data_share:.0%} of its loop time")
 
     speedup = para_rate / seed_rate
     accuracy_gap = para_acc - seed_acc
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     # the test split is small: each image is a quarter of a point, and shuffle order alone moves a few images
     test_size = len(splits.test)
     print(
-        f"target on {device.type}: speed {speedup:.2f}x the seed loop, >= {target:g}x "
+        f"target on {device.type}: speed {speedup:.2f}x the tutorial loop, >= {target:g}x "
         f"{'PASS' if fast_enough else 'FAIL'}; test accuracy {accuracy_gap * 100:+.1f} points, within "
         f"{ACCURACY_TOLERANCE * 100:g} {'PASS' if accurate else 'FAIL'} -> {'PASS' if passed else 'FAIL'}{note}"
     )
@@ -401,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     if args.profile:
-        print(f"\nWhere {args.profile} steps of the seed loop spend their time (cProfile, which slows Python code)\n")
+        print(
+            f"\nWhere {args.profile} steps of the tutorial loop spend their time (cProfile, which slows Python code)\n"
+        )
         profile = profile_seed_loop(train_set, splits.test, args.profile, device)
         total = profile["total_s"]
         print_table(

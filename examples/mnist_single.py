@@ -1,9 +1,10 @@
-"""The second seed's loop on one device: SimpleNet, CrossEntropyLoss, SGD(lr=0.01), batch 64, 5 epochs.
+"""The classic MNIST DataParallel tutorial's loop on one device: SimpleNet, CrossEntropyLoss, SGD(lr=0.01),
+batch 64, 5 epochs.
 
-    python examples/mnist_single.py                      # digits (offline), the seed's settings
+    python examples/mnist_single.py                      # digits (offline), the tutorial's settings
     python examples/mnist_single.py --dataset mnist      # the real MNIST IDX files (downloaded if missing)
 
-Compare with mnist_dp.py: the difference is the few lines paratrain asks for.
+Compare with mnist_parallel.py: the difference is the few lines paratrain asks for.
 """
 
 import argparse
@@ -13,8 +14,8 @@ import torch.nn as nn
 import torch.optim as optim
 from torch.utils.data import DataLoader, TensorDataset
 
-from paratrain.datasets import load_dataset
-from paratrain.models import SimpleNet
+from paratrain.training.datasets import load_dataset
+from paratrain.training.models import SimpleNet
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dataset", default="digits")

@@ -27,7 +27,7 @@ def grads_of(model: nn.Module) -> list[torch.Tensor | None]:
 
 def assert_close_lists(a: Sequence[Any], b: Sequence[Any], atol: float = 1e-5, rtol: float = 1e-4) -> None:
     assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if x is None or y is None:
             assert x is None and y is None, f"entry {i}: {x} vs {y}"
             continue
@@ -77,7 +77,7 @@ def assert_same_training(
     out_b, grads_b = train_steps(parallel, batches, loss_fn, lr)
     from paratrain.tree import flatten
 
-    for step, (oa, ob) in enumerate(zip(out_a, out_b, strict=False)):
+    for step, (oa, ob) in enumerate(zip(out_a, out_b, strict=True)):
         la, sa = flatten(oa)
         lb, sb = flatten(ob)
         assert sa == sb, f"step {step}: output structures differ: {sa} vs {sb}"
@@ -86,13 +86,13 @@ def assert_same_training(
             [x for x in lb if isinstance(x, torch.Tensor)],
             atol,
         )
-    for ga, gb in zip(grads_a, grads_b, strict=False):
+    for ga, gb in zip(grads_a, grads_b, strict=True):
         assert_close_lists(ga, gb, atol)
     assert_close_lists(
         [p.detach() for p in plain.parameters()], [p.detach() for p in parallel_inner.parameters()], atol
     )
     # the run really moved the parameters, so the equality above is not trivially true
-    moved = [not torch.equal(a, p.detach()) for a, p in zip(initial, plain.parameters(), strict=False)]
+    moved = [not torch.equal(a, p.detach()) for a, p in zip(initial, plain.parameters(), strict=True)]
     assert any(moved), "training did not change any parameter; the comparison proves nothing"
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from paratrain.models import SimpleNet
+from paratrain.training.models import SimpleNet
 
 Prediction = namedtuple("Prediction", ["logits", "hidden"])
 

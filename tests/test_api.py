@@ -1,6 +1,27 @@
+"""The public surface, and the line between the engine and the application built on it."""
+
 from __future__ import annotations
 
+import ast
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
 import paratrain
+from paratrain.cli import build_parser
+from paratrain.cli.options import flag_of
+from paratrain.launch import LaunchConfig
+from paratrain.training import TrainConfig
+
+PACKAGE = Path(paratrain.__file__).parent
+APPLICATION = ("training", "cli")
+# beside the engine but not of it: `python -m paratrain` (the command line's entry point), and the alias kept so
+# that `from paratrain.models import SimpleNet` (as earlier READMEs showed it) still works
+NOT_ENGINE = ("__main__.py", "models.py")
 
 
 def test_public_api_is_explicit():
@@ -10,3 +31,55 @@ def test_public_api_is_explicit():
     public = {n for n in dir(paratrain) if not n.startswith("_")}
     modules = {n for n in public if type(getattr(paratrain, n)).__name__ == "module"}
     assert public - modules == set(paratrain.__all__) - {"__version__"}
+
+
+def test_import_paratrain_loads_the_engine_only():
+    code = "import sys, json, paratrain; print(json.dumps(sorted(sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    ours = [m for m in loaded if m.startswith("paratrain")]
+    assert "paratrain.distributed" in ours and "paratrain.parallel" in ours  # the check can see our modules
+    application = [m for m in ours if m.split(".")[1:2] and m.split(".")[1] in (*APPLICATION, "models")]
+    assert application == []
+
+
+def _engine_modules() -> list[Path]:
+    files = [*PACKAGE.glob("*.py"), *(PACKAGE / "strategies").glob("*.py")]
+    return [f for f in files if f.name not in NOT_ENGINE]
+
+
+@pytest.mark.parametrize("path", _engine_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_engine_code_never_imports_the_application(path):
+    tree = ast.parse(path.read_text())
+    depth = len(path.relative_to(PACKAGE).parts)  # 1 for paratrain/x.py, 2 for paratrain/strategies/x.py
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:  # relative: resolve against the package
+                if node.level < depth:
+                    continue  # inside a subpackage of the engine (strategies)
+                target = f"paratrain.{target}" if target else "paratrain"
+            names = [target] + [f"{target}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            assert not (parts[0] == "paratrain" and parts[1:2] and parts[1] in APPLICATION), (
+                f"{path.name}:{node.lineno} imports {name}"
+            )
+
+
+@pytest.mark.parametrize(
+    "settings, command", [(TrainConfig, "train"), (LaunchConfig, "train"), (LaunchConfig, "launch")]
+)
+def test_every_setting_has_its_flag_with_its_default(settings, command):
+    parser = build_parser()
+    subparser = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    actions = {action.dest: action for action in subparser._actions}
+    for field in dataclasses.fields(settings):
+        assert field.name in actions, f"{settings.__name__}.{field.name} has no flag in `paratrain {command}`"
+        action = actions[field.name]
+        assert flag_of(field.name) in action.option_strings
+        assert action.default == field.default, field.name
+        assert action.help and field.metadata["help"].split(" (default")[0] in action.help.replace("%%", "%")

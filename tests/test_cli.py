@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "paratrain", *args], capture_output=True, text=True, timeout=120)
+from processes import run_cli as _run
 
 
 def test_env_reports_versions_and_backends():

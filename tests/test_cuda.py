@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from conftest import assert_close_lists, grads_of
 from paratrain import DataParallel
-from paratrain.models import SimpleNet
+from paratrain.training.models import SimpleNet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -36,7 +36,7 @@ def test_cuda_repeated_device_replicas_match_one_gpu(replicas):
     inner = copy.deepcopy(plain)
     dp = DataParallel(inner, device_ids=["cuda:0"] * replicas)
     assert dp._side_streams() is not None  # each replica on its own stream
-    for a, b in zip(_train(plain), _train(dp)):
+    for a, b in zip(_train(plain), _train(dp), strict=True):
         assert_close_lists(a, b, atol=1e-5)
     assert_close_lists(list(plain.parameters()), list(inner.parameters()), atol=1e-5)
 

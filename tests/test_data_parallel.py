@@ -282,7 +282,7 @@ def test_replicas_and_threads_are_reused_across_calls():
     x = torch.randn(9, 784)
     for _ in range(4):
         dp(x).sum().backward()
-    assert dp._replicator.builds == 1
+    assert dp._replicator._builds == 1
     assert dp._pool.size == 3
 
 

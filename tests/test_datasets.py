@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paratrain.datasets import (
+from paratrain.errors import ConfigError, DataError
+from paratrain.training.datasets import (
     DATASET_NAMES,
     DatasetSplits,
     TensorData,
@@ -23,7 +24,6 @@ from paratrain.datasets import (
     default_cache_dir,
     load_dataset,
 )
-from paratrain.errors import ConfigError, DataError
 
 MNIST_FILES = (
     "train-images-idx3-ubyte",
@@ -75,7 +75,7 @@ def test_tensor_data_pairs_inputs_with_targets():
 
 
 def read_digits_csv() -> np.ndarray:
-    path = Path(__file__).parents[1] / "src" / "paratrain" / "_assets" / "digits.csv.gz"
+    path = Path(__file__).parents[1] / "src" / "paratrain" / "training" / "_assets" / "digits.csv.gz"
     return np.loadtxt(io.BytesIO(gzip.decompress(path.read_bytes())), delimiter=",", dtype=np.int64)
 
 
@@ -162,7 +162,7 @@ def test_augment_uses_all_25_translations_and_adds_noise_of_the_given_size():
 
 
 def test_random_matches_the_first_seed():
-    from paratrain.demo import RandomDataset
+    from paratrain.cli.demo import RandomDataset
 
     splits = load_dataset("random")
     assert (splits.name, splits.num_classes, splits.input_shape) == ("random", 2, (5,))

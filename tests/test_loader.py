@@ -3,10 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.datasets import TensorData, load_dataset
 from paratrain.errors import ConfigError
-from paratrain.loader import DeviceLoader, shard
-from paratrain.scatter_gather import split_sizes
+from paratrain.scatter_gather import shard, split_sizes
+from paratrain.training.datasets import TensorData, load_dataset
+from paratrain.training.loader import DeviceLoader
 
 
 def numbered(n: int) -> TensorData:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -11,11 +12,19 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
-from paratrain.datasets import load_dataset
-from paratrain.errors import ConfigError, DeviceError
-from paratrain.loader import DeviceLoader
-from paratrain.models import SimpleNet
-from paratrain.strategies import DataParallelStrategy, SingleDevice, select_strategy
+from parallel_scenarios import (
+    eval_loader_between_forward_and_backward,
+    gather_pads_and_trims,
+    train_job,
+    user_shuffle_order,
+)
+from paratrain.errors import ConfigError, DeviceError, ScatterError
+from paratrain.strategies import DataParallelStrategy, SingleDevice, resolve_strategy, select_strategy
+from paratrain.training import TrainConfig, train
+from paratrain.training.datasets import load_dataset
+from paratrain.training.loader import DeviceLoader
+from paratrain.training.models import SimpleNet
+from processes import run_cli, run_ranks
 
 
 @pytest.mark.parametrize(
@@ -79,7 +88,7 @@ def test_one_loop_any_strategy_same_parameters(devices, loader_kind):
             loader = DataLoader(TensorDataset(data.inputs, data.targets), batch_size=30, shuffle=True, generator=g)
         results.append(_loop(par, copy.deepcopy(base), loader))
         par.close()
-    for a, b in zip(results[0].parameters(), results[1].parameters()):
+    for a, b in zip(results[0].parameters(), results[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert not torch.equal(next(base.parameters()), next(results[0].parameters()))
 
@@ -115,3 +124,127 @@ def test_save_and_load_a_training_state(tmp_path):
     state = par.load(tmp_path / "state.pt")
     assert state["epoch"] == 3
     torch.testing.assert_close(state["model"]["fc1.weight"], model.fc1.weight)
+
+
+# --- one rule for auto, and arguments that cannot be used ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, devices, gpus, launched, expected",
+    [
+        ("auto", "auto", 0, False, "single"),
+        ("auto", "cpu", 0, False, "single"),
+        ("auto", "cpu,cpu,cpu", 0, False, "dp"),
+        ("auto", "auto", 0, True, "ddp"),
+        ("auto", "cpu", 0, True, "ddp"),
+        ("auto", "auto", 1, False, "single"),
+        ("auto", "auto", 2, False, "ddp"),
+        ("auto", "cuda", 2, False, "ddp"),
+        ("auto", "auto", 2, True, "ddp"),
+        ("dp", "cpu,cpu", 2, False, "dp"),
+        ("single", "cpu", 2, True, "single"),
+    ],
+)
+def test_auto_means_one_thing(monkeypatch, name, devices, gpus, launched, expected):
+    """The rule behind Parallel("auto") and `paratrain train`; GPU counts are simulated (the rule is pure)."""
+    import paratrain.strategies as strategies
+
+    fake = [torch.device("cuda", i) for i in range(gpus)]
+    monkeypatch.setattr(strategies, "visible_gpus", lambda: fake)
+    monkeypatch.setattr(
+        strategies,
+        "resolve_devices",
+        lambda d: fake if d in ("auto", "cuda") and fake else [torch.device("cpu")] * (d.count(",") + 1),
+    )
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if launched:
+            monkeypatch.setenv(variable, "0" if "ADDR" not in variable else "127.0.0.1")
+        else:
+            monkeypatch.delenv(variable, raising=False)
+    assert resolve_strategy(name, devices) == expected
+
+
+def test_auto_choosing_ddp_outside_a_launcher_says_how_to_start(monkeypatch):
+    import paratrain.strategies as strategies
+
+    monkeypatch.setattr(strategies, "visible_gpus", lambda: [torch.device("cuda", 0), torch.device("cuda", 1)])
+    with pytest.raises(ConfigError, match=r"chose ddp because 2 GPUs are visible.*paratrain launch.*strategy='dp'"):
+        select_strategy("auto", "auto")
+
+
+def test_a_strategy_object_with_devices_or_timeout_is_refused():
+    with pytest.raises(ConfigError, match=r"SingleDevice object.*devices='cpu,cpu'"):
+        paratrain.Parallel(SingleDevice(torch.device("cpu")), devices="cpu,cpu")
+    with pytest.raises(ConfigError, match=r"timeout=5"):
+        paratrain.Parallel(SingleDevice(torch.device("cpu")), timeout=5)
+    with pytest.raises(ConfigError, match="timeout is for strategy 'ddp'"):
+        paratrain.Parallel("single", "cpu", timeout=5)
+    paratrain.Parallel("auto", "cpu", timeout=5).close()  # auto may pick ddp elsewhere: the timeout is for then
+    par = paratrain.Parallel(SingleDevice(torch.device("cpu")), devices="auto")
+    assert par.strategy_name == "single" and par.describe() == "single on cpu"
+
+
+def test_launcher_flags_without_ddp_are_a_usage_error():
+    result = run_cli("train", "--devices", "cpu,cpu", "--nproc-per-node", "2", "--epochs", "1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--nproc-per-node start processes for strategy ddp, but strategy 'auto' resolves to 'dp'" in result.stderr
+
+
+def test_batch_tensors_that_disagree_on_size_are_named():
+    par = paratrain.Parallel("single", "cpu")
+    loader = par.prepare([(torch.zeros(10, 3), torch.zeros(9, dtype=torch.long))])
+    with pytest.raises(ScatterError, match=r"batch\[0\]: 10, batch\[1\]: 9"):
+        next(iter(loader))
+
+
+# --- several processes ---------------------------------------------------------------------------------------
+
+
+def _parallel_suite(rank: int, world: int) -> dict:
+    return {
+        scenario.__name__: scenario(rank, world)
+        for scenario in (gather_pads_and_trims, user_shuffle_order, eval_loader_between_forward_and_backward)
+    }
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def parallel_suite(request, tmp_path_factory):
+    world = request.param
+    return world, run_ranks(_parallel_suite, world, tmp_path_factory.mktemp(f"parallel{world}"), timeout=240)
+
+
+def test_gather_of_unequal_and_empty_parts(parallel_suite):
+    world, ranks = parallel_suite
+    ragged = [10.0 * r + i for r in range(world) for i in range(r + 1)]
+    empty_on_last = [[r] * 3 for r in range(world - 1) for _ in range(2)]
+    for found in (r["gather_pads_and_trims"] for r in ranks):
+        assert found["ragged"] == ragged and found["ragged_dtype"] == "torch.float64"
+        assert found["empty_on_last"] == empty_on_last
+        assert found["scalar"] == [float(r) for r in range(world)]
+        assert found["all_empty_shape"] == [0, 2]
+
+
+def test_a_users_shuffle_order_is_kept(parallel_suite):
+    _world, ranks = parallel_suite
+    expected = ranks[0]["user_shuffle_order"]["plain_expected"]
+    for found in (r["user_shuffle_order"] for r in ranks):
+        assert found["generator_batches"] and found["generator_kept"]
+        assert found["plain_batches"] == expected  # every rank: the batches one process would see
+        assert found["plain_generator_left_alone"] and found["rng_like_one_process"]
+    assert expected[0] != expected[1]  # two epochs, two shuffles
+
+
+def test_an_eval_loader_does_not_change_the_training_weight(parallel_suite):
+    for found in (r["eval_loader_between_forward_and_backward"] for r in parallel_suite[1]):
+        assert found["vs_single"] < 1e-5
+
+
+def test_empty_shares_leave_the_epoch_loss_finite(tmp_path):
+    """718 samples a batch leave one sample in the last batch of digits' 1,437: ranks 1 and 2 get none."""
+    settings = {"batch_size": 718, "epochs": 2}
+    single = train(TrainConfig(quiet=True, **settings))
+    ranks = run_ranks(train_job, 3, tmp_path, settings, timeout=240)
+    for found in ranks:
+        assert all(math.isfinite(loss) for loss in found["epoch_losses"])
+        assert found["epoch_losses"] == pytest.approx(single.epoch_losses, abs=1e-6)
+        assert found["test_accuracy"] == single.test_accuracy

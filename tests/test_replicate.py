@@ -20,11 +20,11 @@ def test_gradients_of_all_replicas_sum_into_the_original(share):
     x = torch.randn(9, 4)
     replicas = Replicator(model, [CPU] * 3, share_same_device=share).replicate()
     chunks = x.split([3, 3, 3])
-    sum(r(c).pow(2).sum() for r, c in zip(replicas.modules, chunks, strict=False)).backward()
+    sum(r(c).pow(2).sum() for r, c in zip(replicas.modules, chunks, strict=True)).backward()
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     model(x).pow(2).sum().backward()
-    for g, p in zip(got, model.parameters(), strict=False):
+    for g, p in zip(got, model.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad)
 
 
@@ -61,16 +61,16 @@ def test_replica_objects_are_reused_until_the_structure_changes():
     ids = [id(m) for m in first.modules]
     first.release()
     again = replicator.replicate()
-    assert [id(m) for m in again.modules] == ids and replicator.builds == 1
+    assert [id(m) for m in again.modules] == ids and replicator._builds == 1
     again.release()
     model.add_module("extra", nn.Identity())
     third = replicator.replicate()
-    assert replicator.builds == 2
+    assert replicator._builds == 2
     assert hasattr(third.modules[0], "extra")
     # replacing a parameter object is a structure change too (tied weights might differ)
     model[0].weight = nn.Parameter(torch.zeros(8, 4))
     rep = replicator.replicate().modules[0]
-    assert replicator.builds == 3 and torch.equal(rep[0].weight, torch.zeros(8, 4))
+    assert replicator._builds == 3 and torch.equal(rep[0].weight, torch.zeros(8, 4))
 
 
 def test_reused_replicas_follow_mode_and_attribute_changes():
@@ -106,7 +106,7 @@ def test_buffer_that_requires_grad_receives_gradients():
     for share in (True, False):
         model.scale.grad = None
         reps = Replicator(model, [CPU] * 2, share_same_device=share).replicate().modules
-        sum((r.scale * c).sum() for r, c in zip(reps, x.split(2), strict=False)).backward()
+        sum((r.scale * c).sum() for r, c in zip(reps, x.split(2), strict=True)).backward()
         assert model.scale.grad.tolist() == [4.0, 4.0]
 
 
@@ -118,7 +118,7 @@ def test_sync_buffers_mean_is_the_whole_batch_update_for_running_mean():
     reference(x)
     replicas = Replicator(model, [CPU] * 3).replicate()
     sizes = [4, 3, 3]
-    for rep, chunk in zip(replicas.modules, x.split(sizes), strict=False):
+    for rep, chunk in zip(replicas.modules, x.split(sizes), strict=True):
         rep(chunk)
     replicas.sync_buffers([s / 10 for s in sizes], "mean")
     torch.testing.assert_close(model.running_mean, reference.running_mean)
@@ -131,7 +131,7 @@ def test_sync_buffers_first_keeps_replica_zero():
     expected = nn.BatchNorm1d(3)
     expected(x[:3])
     replicas = Replicator(model, [CPU] * 3).replicate()
-    for rep, chunk in zip(replicas.modules, x.split(3), strict=False):
+    for rep, chunk in zip(replicas.modules, x.split(3), strict=True):
         rep(chunk)
     replicas.sync_buffers([1 / 3] * 3, "first")
     torch.testing.assert_close(model.running_mean, expected.running_mean)
@@ -146,7 +146,7 @@ def test_unchanged_buffers_keep_their_exact_values():
     for rep in replicas.modules:
         rep(torch.randn(2, 3))
     replicas.sync_buffers([0.3, 0.3, 0.4])
-    for b, old in zip(model.buffers(), before, strict=False):
+    for b, old in zip(model.buffers(), before, strict=True):
         assert torch.equal(b, old)
 
 
@@ -165,7 +165,7 @@ def test_buffer_changed_by_python_code_is_averaged():
     model = Counter()
     x = torch.arange(12.0).reshape(6, 2)
     replicas = Replicator(model, [CPU] * 3).replicate()
-    for rep, chunk in zip(replicas.modules, x.split(2), strict=False):
+    for rep, chunk in zip(replicas.modules, x.split(2), strict=True):
         rep(chunk)
     replicas.sync_buffers([1 / 3] * 3)
     torch.testing.assert_close(model.total, x.sum(0) / 3)
@@ -185,7 +185,7 @@ def test_buffer_replaced_with_another_shape_keeps_replica_zero_with_a_warning():
     model = Keeper()
     x = torch.arange(5.0)
     replicas = Replicator(model, [CPU] * 2).replicate()
-    for rep, chunk in zip(replicas.modules, x.split([3, 2]), strict=False):
+    for rep, chunk in zip(replicas.modules, x.split([3, 2]), strict=True):
         rep(chunk)
     with pytest.warns(UserWarning, match="replica 0's value is kept"):
         replicas.sync_buffers([0.6, 0.4])

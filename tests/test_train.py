@@ -1,4 +1,4 @@
-"""The training job end to end: the seed's result, determinism, strategies agreeing, checkpoints that survive."""
+"""The training job end to end: the tutorial's result, determinism, strategies agreeing, checkpoints that survive."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 
 from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from paratrain.errors import CheckpointError, ConfigError
-from paratrain.train import TrainConfig, train
+from paratrain.training import TrainConfig, train
+from processes import run_cli, start_cli
 
 
 def _config(**kwargs) -> TrainConfig:
@@ -25,7 +26,7 @@ def _config(**kwargs) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def seed_run(tmp_path_factory):
-    """The second seed's job, once, with checkpoints kept for the tests that compare against it."""
+    """The tutorial's job, once, with checkpoints kept for the tests that compare against it."""
     directory = tmp_path_factory.mktemp("seed-run")
     result = train(_config(checkpoint_dir=str(directory), keep_checkpoints=10))
     return result, directory
@@ -84,9 +85,6 @@ def test_resume_mid_epoch_gives_the_uninterrupted_fingerprint(seed_run, tmp_path
 def test_resume_after_a_killed_process(seed_run, tmp_path):
     """A real fault: SIGKILL the training process once it has written a mid-epoch checkpoint, then resume."""
     args = [
-        sys.executable,
-        "-m",
-        "paratrain",
         "train",
         "--quiet",
         "--checkpoint-dir",
@@ -96,17 +94,15 @@ def test_resume_after_a_killed_process(seed_run, tmp_path):
         "--keep-checkpoints",
         "50",
     ]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_cli(*args)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list_checkpoints(tmp_path)) < 4 and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     written = list_checkpoints(tmp_path)
-    assert written, proc.stderr.read().decode() if proc.stderr else ""
-    result = subprocess.run(
-        [*args, "--resume", "--metrics-out", str(tmp_path / "m.json")], capture_output=True, text=True, timeout=120
-    )
+    assert written, proc.communicate()[1]
+    result = run_cli(*args, "--resume", "--metrics-out", str(tmp_path / "m.json"))
     assert result.returncode == 0, result.stderr
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["model_fingerprint"] == seed_run[0].model_fingerprint
@@ -173,10 +169,8 @@ def test_mnist_from_idx_files_the_test_wrote(tmp_path):
     assert result.test_accuracy > 0.5
 
 
-def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "paratrain", "train", *args], capture_output=True, text=True, timeout=120, cwd=cwd
-    )
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("train", *args)
 
 
 def test_cli_prints_the_seed_lines_and_writes_metrics(tmp_path):
@@ -215,8 +209,9 @@ def test_cli_quiet_prints_only_the_result():
     "args, code, message",
     [
         (["--model", "resnet"], 2, "invalid choice: 'resnet' (choose from"),
-        (["--batch-size", "0"], 2, "expected a positive integer, found 0"),
-        (["--lr", "-1"], 2, "expected a positive number, found -1.0"),
+        (["--batch-size", "0"], 2, "--batch-size must be at least 1; found 0"),
+        (["--batch-size", "many"], 2, "--batch-size: expected an integer, found 'many'"),
+        (["--lr", "-1"], 2, "--lr must be positive; found -1.0"),
         (["--devices", "cuda:7"], 2, "cuda:7"),
         (["--devices", "cpu,cpu", "--strategy", "single"], 2, "runs on one device"),
         (["--resume"], 2, "--resume needs --checkpoint-dir"),
@@ -240,7 +235,9 @@ def test_cli_runtime_errors_exit_1(tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("PARATRAIN_SKIP_EXAMPLES") == "1", reason="examples skipped on request")
-@pytest.mark.parametrize("script, extra", [("mnist_single.py", []), ("mnist_dp.py", ["--devices", "cpu,cpu"])])
+@pytest.mark.parametrize(
+    "script, extra", [("mnist_single.py", []), ("mnist_parallel.py", ["--strategy", "dp", "--devices", "cpu,cpu"])]
+)
 def test_examples_run_on_tiny_settings(script, extra):
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run(

@@ -3,33 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from paratrain.checkpoint import latest_checkpoint, load_checkpoint
-from paratrain.launch import free_port
-from paratrain.train import TrainConfig, train
+from paratrain.training import TrainConfig, train
+from processes import finish as _finish
+from processes import free_port, run_cli, start_cli
 
 EPOCHS = "2"
-TIMEOUT = 180
 
 
-def _train(*args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "paratrain", "train", "--quiet", "--epochs", EPOCHS, *args]
+def _train(*args: str):
     # one thread per worker whatever the node layout: thread counts change float summation order
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def _finish(proc: subprocess.Popen[str]) -> str:
-    out, err = proc.communicate(timeout=TIMEOUT)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
-    return out
+    return start_cli("train", "--quiet", "--epochs", EPOCHS, *args, env={"OMP_NUM_THREADS": "1"})
 
 
 def _metrics(path: Path) -> dict:
@@ -122,24 +111,9 @@ def test_two_node_agents_on_one_machine_equal_one_node(two_processes, tmp_path):
     assert metrics["model_fingerprint"] == one_node["model_fingerprint"]
 
 
-def test_ddp_example_through_the_launcher():
+def test_parallel_example_through_the_launcher_is_ddp():
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "paratrain",
-            "launch",
-            "--nproc-per-node",
-            "2",
-            str(root / "examples" / "mnist_ddp.py"),
-            "--epochs",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    result = run_cli("launch", "--nproc-per-node", "2", str(root / "examples" / "mnist_parallel.py"), "--epochs", "1")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("Test accuracy: ") == 1
     assert "ddp, 2 processes" in result.stdout

@@ -2,6 +2,11 @@
 
 import paratrain
 model = paratrain.DataParallel(model, device_ids=[0, 1])
+par = paratrain.Parallel("auto")      # single, dp or ddp; then par.prepare(model, optimizer, loader)
+
+``import paratrain`` loads the engine only (the modules beside this one). The training application
+(``paratrain.training``: the train job, datasets, models) and the command line (``paratrain.cli``) load when
+something asks for them.
 """
 
 from .data_parallel import DataParallel

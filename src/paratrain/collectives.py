@@ -6,7 +6,7 @@ to the process group's key-value store, from a background thread so the training
 When a wait times out, the ranks whose count is behind are the ones that did not arrive, and the error names
 them.
 
-    monitor = CollectiveMonitor(group, timeout=60.0, namespace="ddp0")
+    monitor = CollectiveMonitor(group, timeout=60.0, namespace="ddp0")   # the same namespace on every rank
     seq = monitor.launched()
     work = dist.all_reduce(t, async_op=True)
     monitor.wait(work, seq, "gradient all-reduce of bucket 0")
@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from .errors import DistributedError
 
-__all__ = ["CollectiveMonitor", "to_seconds"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor", "to_seconds", "wait_work"]
 
-
+DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the other ranks, everywhere in paratrain
 _PUBLISH_INTERVAL_S = 0.2
 
 
@@ -39,6 +39,17 @@ def to_seconds(timeout: float | timedelta | None) -> float | None:
     return seconds
 
 
+def wait_work(work: Any, timeout: float | None) -> bool:
+    """Wait for a ``Work`` with the backend's own timeout; False when it timed out, other failures raise."""
+    try:
+        work.wait() if timeout is None else work.wait(timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            return False
+        raise
+    return True
+
+
 def _default_store() -> Any:
     try:
         return dist.distributed_c10d._get_default_store()
@@ -47,13 +58,16 @@ def _default_store() -> Any:
 
 
 class _Board:
-    """Publishes this rank's launch count to the store from a daemon thread; reads everyone's on demand."""
+    """Publishes this rank's launch count to the store from a daemon thread; reads everyone's on demand.
 
-    def __init__(self, store: Any, namespace: str, rank: int, world_size: int) -> None:
+    Keys carry global ranks, so boards of wrappers over different process groups never share a key.
+    """
+
+    def __init__(self, store: Any, namespace: str, rank: int, global_ranks: list[int]) -> None:
         self._store = store
         self._prefix = f"paratrain/{namespace}"
         self._rank = rank
-        self._world_size = world_size
+        self._global_ranks = global_ranks
         self._latest = 0
         self._stopped = False
         self._wake = threading.Event()
@@ -80,7 +94,7 @@ class _Board:
             latest = self._latest
             if latest != written:
                 try:
-                    self._store.set(f"{self._prefix}/{self._rank}", str(latest))
+                    self._store.set(f"{self._prefix}/{self._global_ranks[self._rank]}", str(latest))
                 except Exception:  # the store went away (shutdown): nothing left to report to
                     return
                 written = latest
@@ -88,11 +102,11 @@ class _Board:
             time.sleep(_PUBLISH_INTERVAL_S)
 
     def behind(self, seq: int) -> tuple[list[int], list[int]]:
-        """Ranks whose published count is below ``seq`` (they never launched collective ``seq``), and ranks
-        whose count could not be read (the store went away)."""
+        """Global ranks whose published count is below ``seq`` (they never launched collective ``seq``), and
+        those whose count could not be read (the store went away)."""
         missing, unknown = [], []
-        for rank in range(self._world_size):
-            if rank == self._rank:
+        for group_rank, rank in enumerate(self._global_ranks):
+            if group_rank == self._rank:
                 continue
             key = f"{self._prefix}/{rank}"
             try:
@@ -109,16 +123,20 @@ class CollectiveMonitor:
     """Numbers a wrapper's collectives and waits for them with a timeout that names missing ranks.
 
     Every rank must launch the same collectives in the same order (they do: the callers are deterministic),
-    so the n-th launch on one rank is the n-th on every other.
+    so the n-th launch on one rank is the n-th on every other. ``namespace`` must be the same on every rank of
+    ``group`` and differ from that of any other live monitor on this rank (DistributedDataParallel agrees on
+    one at start-up). Ranks in errors are global ranks (torchrun's RANK).
     """
 
     def __init__(self, group: Any, timeout: float | timedelta | None, namespace: str) -> None:
         self.timeout = to_seconds(timeout)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.global_rank = dist.get_rank()
         self._seq = 0
         store = _default_store() if self.timeout is not None else None
-        self._board = _Board(store, namespace, self.rank, self.world_size) if store is not None else None
+        global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self._board = _Board(store, namespace, self.rank, global_ranks) if store is not None else None
 
     def close(self) -> None:
         """Stop the background publisher; call before destroying the process group."""
@@ -148,11 +166,11 @@ class CollectiveMonitor:
                     raise self.timeout_error(seq, what)
             return handle.wait()
         try:
-            handle.wait() if self.timeout is None else handle.wait(timedelta(seconds=self.timeout))
+            finished = wait_work(handle, self.timeout)
         except RuntimeError as exc:
-            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                raise self.timeout_error(seq, what) from exc
-            raise DistributedError(f"rank {self.rank}: {what} (collective #{seq}) failed: {exc}") from exc
+            raise DistributedError(f"rank {self.global_rank}: {what} (collective #{seq}) failed: {exc}") from exc
+        if not finished:
+            raise self.timeout_error(seq, what)
         return None
 
     def timeout_error(self, seq: int, what: str) -> DistributedError:
@@ -169,7 +187,7 @@ class CollectiveMonitor:
             if unknown:
                 who += f" (rank(s) {', '.join(map(str, unknown))} could not be asked: the store is unreachable)"
         return DistributedError(
-            f"rank {self.rank}: {what} (collective #{seq}) did not complete within {self.timeout:g}s: {who}. "
+            f"rank {self.global_rank}: {what} (collective #{seq}) did not complete within {self.timeout:g}s: {who}. "
             f"Check those processes (stuck, crashed, or skipping a forward/backward the others ran); use "
             f"join() for uneven inputs; raise the limit with timeout=... (paratrain train --timeout)"
         )

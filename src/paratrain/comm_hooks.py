@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommHook", "GradBucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+__all__ = ["CommHook", "GradBucket", "bf16_compress_hook", "fp16_compress_hook"]
 
 
 class GradBucket:
@@ -61,15 +61,6 @@ CommHook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 def _group(state: Any) -> Any:
     return state if state is not None else dist.group.WORLD
-
-
-def allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket with one all-reduce (divided first, so large sums do not overflow)."""
-    tensor = bucket.buffer().div_(bucket.world_size)
-    work = dist.all_reduce(tensor, group=_group(state), async_op=True)
-    assert work is not None
-    averaged: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda fut: fut.value()[0])
-    return averaged
 
 
 def _compress_hook(dtype: torch.dtype) -> CommHook:

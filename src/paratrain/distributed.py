@@ -27,17 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CollectiveMonitor
+from .collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, to_seconds, wait_work
 from .comm_hooks import CommHook
 from .devices import DeviceLike, parse_device
 from .errors import ConfigError, DeviceError, DistributedError
 from .reducer import Reducer
 from .tree import map_tensors
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DistributedDataParallel", "Join"]
+__all__ = ["DistributedDataParallel", "Join"]
 
-DEFAULT_TIMEOUT_S = 300.0
-_instances = itertools.count()
+# wrappers this process has built; ranks agree on a monitor namespace from it at start-up (see _start_up)
+_wrappers_built = 0
 
 
 def _on_grad(reducer_ref: weakref.ref[Reducer], index: int, param: torch.Tensor) -> None:
@@ -60,8 +60,6 @@ class DistributedDataParallel(nn.Module):
             on every rank keep ``grad=None``. Without it, such a parameter is an error at the end of backward.
         gradient_as_bucket_view: make ``.grad`` views into the buckets, saving one copy of the gradients.
         timeout: seconds (or a timedelta) any collective may take before the error naming missing ranks.
-        overlap: start each bucket's all-reduce as soon as it is full (``False`` waits for the end of backward;
-            it exists to measure what the overlap buys).
 
     Raises:
         DistributedError: torch.distributed is not initialised, or the ranks' parameters differ.
@@ -78,7 +76,7 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: bool = False,
         *,
         timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
-        overlap: bool = True,
+        _overlap: bool = True,
     ) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
@@ -95,11 +93,12 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
-        self.monitor = CollectiveMonitor(self.process_group, timeout, namespace=f"ddp{next(_instances)}")
-        self.rank, self.world_size = self.monitor.rank, self.monitor.world_size
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
         self._join: Join | None = None
 
-        self._check_same_parameters()
+        namespace = self._start_up(to_seconds(timeout))
+        self.monitor = CollectiveMonitor(self.process_group, timeout, namespace=namespace)
         self._broadcast(list(module.parameters()) + list(module.buffers()), "start-up broadcast of rank 0's state")
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.reducer = Reducer(
@@ -110,7 +109,7 @@ class DistributedDataParallel(nn.Module):
             bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
             find_unused=find_unused_parameters,
             grad_as_view=gradient_as_bucket_view,
-            overlap=overlap,
+            overlap=_overlap,  # private: False waits for the end of backward, so benchmarks can price the overlap
         )
         ref = weakref.ref(self.reducer)
         self._hook_handles = [
@@ -144,20 +143,33 @@ class DistributedDataParallel(nn.Module):
     def _backend(self) -> str:
         return str(dist.get_backend(self.process_group))
 
-    def _check_same_parameters(self) -> None:
-        """Every rank must hold the same parameters (names, shapes, dtypes); else name the first difference."""
+    def _start_up(self, timeout: float | None) -> str:
+        """Check that every rank holds the same parameters (names, shapes, dtypes), and agree on a namespace.
+
+        One all-gather carries a digest of the parameters and how many wrappers each rank has built. The
+        namespace of this wrapper's collective monitor is the largest count: the same on every rank whatever
+        each built before, and larger than that of any earlier wrapper on any member rank, so its store keys
+        can neither drift apart across ranks nor collide with another wrapper's.
+        """
+        global _wrappers_built
         signature = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.module.named_parameters()]
-        digest = hashlib.sha256(repr(signature).encode()).digest()
-        mine = torch.tensor([int.from_bytes(digest[:7], "big")], dtype=torch.int64, device=self._control_device())
+        digest = int.from_bytes(hashlib.sha256(repr(signature).encode()).digest()[:7], "big")
+        mine = torch.tensor([digest, _wrappers_built], dtype=torch.int64, device=self._control_device())
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        seq = self.monitor.launched()
         work = dist.all_gather(everyone, mine, group=self.process_group, async_op=True)
-        self.monitor.wait(work, seq, "start-up parameter check")
-        if all(int(t) == int(everyone[0]) for t in everyone):
-            return
-        signatures: list[Any] = [None] * self.world_size
-        dist.all_gather_object(signatures, signature, group=self.process_group)
-        raise DistributedError(_describe_mismatch(signatures))
+        if not wait_work(work, timeout):
+            raise DistributedError(
+                f"rank {dist.get_rank()}: the start-up check of DistributedDataParallel did not complete within "
+                f"{timeout:g}s: some rank of the group has not constructed its wrapper (or is stuck). Wrap the "
+                f"model in every process, at the same point of the script"
+            )
+        agreed = max(int(t[1]) for t in everyone)
+        _wrappers_built = agreed + 1
+        if any(int(t[0]) != digest for t in everyone):
+            signatures: list[Any] = [None] * self.world_size
+            dist.all_gather_object(signatures, signature, group=self.process_group)
+            raise DistributedError(_describe_mismatch(signatures))
+        return f"ddp{agreed}"
 
     def _broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         """Copy rank 0's values of ``tensors`` to every rank, one flat message per dtype and device."""
@@ -173,18 +185,20 @@ class DistributedDataParallel(nn.Module):
                 src = dist.get_global_rank(self.process_group, 0)  # type: ignore[arg-type]  # the group's rank 0
                 work = dist.broadcast(flat, src=src, group=self.process_group, async_op=True)
                 self.monitor.wait(work, seq, what)
-                for t, piece in zip(members, flat.split([t.numel() for t in members])):
+                for t, piece in zip(members, flat.split([t.numel() for t in members]), strict=True):
                     t.copy_(piece.view_as(t))
 
     # -- the step ---------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        grad = torch.is_grad_enabled()
+        sync = grad and self.require_backward_grad_sync
         if self._join is not None:
             self._join.announce(sync)
         if self.broadcast_buffers:
             self._broadcast(list(self.module.buffers()), "buffer broadcast")
-        self.reducer.prepare(sync)
+        if grad:  # a forward without autograd (evaluation mid-step) leaves the pending backward's state alone
+            self.reducer.prepare(sync)
         if self.device is not None:
             device = self.device
             inputs, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (inputs, kwargs))

@@ -35,16 +35,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ConfigError, DistributedError
 from .supervise import supervise
 
-__all__ = ["LaunchConfig", "free_port", "launch", "local_world_size", "torchrun_args"]
+__all__ = ["LaunchConfig", "launch", "local_world_size", "torchrun_args"]
 
 
 @dataclass(frozen=True)
@@ -62,34 +61,61 @@ class LaunchConfig:
       is the endpoint's host hosts the rendezvous, the others connect to it, and the rendezvous numbers the
       nodes (torchrun ignores ``node_rank`` here).
 
-    Attributes:
-        nproc_per_node: processes on this machine, or ``"auto"``: one per GPU (or other accelerator), and one
-            on a machine without any. torchrun's own ``auto`` starts one process per CPU core there, which
-            for data-parallel training on one CPU only multiplies memory use.
-        nnodes: the number of machines, ``"N"`` or ``"MIN:MAX"`` (elastic; needs ``rdzv_endpoint``).
-        node_rank: this machine's rank, ``0 .. nnodes - 1``, for the static rendezvous.
-        master_addr: the address of node 0 for the static rendezvous (required with more than one node).
-        master_port: the port on node 0 for the static rendezvous; ``None`` on one node: a port picked for you.
-        rdzv_endpoint: ``HOST:PORT`` of the c10d rendezvous; ``[::1]:29400`` for IPv6.
-        rdzv_id: a job id the nodes of one job share (torchrun's default ``none`` when not given).
-        rdzv_timeout: seconds a node waits for the others to join before giving up (torchrun: 600).
-        local_addr: the address other nodes use to reach this one; by default torchrun uses the host name,
-            except that a loopback rendezvous (everything on this machine) uses the loopback address.
-        max_restarts: how often torchrun restarts the whole worker group after a failure.
-        monitor_interval: seconds between torchrun's checks of its workers.
+    Each field's help (its metadata) is also the help of its ``paratrain launch`` / ``paratrain train`` flag.
     """
 
-    nproc_per_node: int | str = "auto"
-    nnodes: int | str = "1"
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    rdzv_timeout: int | None = None
-    local_addr: str | None = None
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
+    nproc_per_node: int | str = field(
+        default="auto",
+        metadata={
+            "help": "processes on this machine, or auto: one per GPU, and one without a GPU (torchrun's own auto "
+            "would start one per CPU core)",
+            "metavar": "N|auto",
+        },
+    )
+    nnodes: int | str = field(
+        default="1",
+        metadata={"help": "number of machines, N or MIN:MAX (elastic; needs --rdzv-endpoint)", "metavar": "N|MIN:MAX"},
+    )
+    node_rank: int = field(
+        default=0, metadata={"help": "this machine's rank, 0 .. nnodes - 1 (static rendezvous)", "metavar": "R"}
+    )
+    master_addr: str | None = field(
+        default=None,
+        metadata={"help": "address of node 0 (static rendezvous; required with several nodes)", "metavar": "ADDR"},
+    )
+    master_port: int | None = field(
+        default=None,
+        metadata={"help": "port on node 0 (static rendezvous; one node: picked for you)", "metavar": "PORT"},
+    )
+    rdzv_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "HOST:PORT of the c10d rendezvous, the same on every machine; it numbers the nodes "
+            "([::1]:29400 for IPv6)",
+            "metavar": "HOST:PORT",
+        },
+    )
+    rdzv_id: str | None = field(
+        default=None, metadata={"help": "a job id shared by the nodes of one job", "metavar": "ID"}
+    )
+    rdzv_timeout: int | None = field(
+        default=None,
+        metadata={"help": "seconds a node waits for the others to join (torchrun's default 600)", "metavar": "SECONDS"},
+    )
+    local_addr: str | None = field(
+        default=None,
+        metadata={
+            "help": "the address other machines reach this one at (default: the host name; loopback when the "
+            "whole job is on this machine)",
+            "metavar": "ADDR",
+        },
+    )
+    max_restarts: int = field(
+        default=0, metadata={"help": "restart the workers up to K times after a failure", "metavar": "K"}
+    )
+    monitor_interval: float = field(
+        default=0.1, metadata={"help": "seconds between torchrun's checks of its workers", "metavar": "SECONDS"}
+    )
 
     def node_range(self) -> tuple[int, int]:
         """The minimum and maximum number of nodes, from ``nnodes``."""
@@ -288,21 +314,6 @@ def torchrun_args(
     if module:
         args.append("--module")
     return [*args, script, *script_args]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` now (another program may still take it before you bind it).
-
-    Raises:
-        ConfigError: when ``host`` cannot be resolved or bound on this machine.
-    """
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.bind(address)
-            return int(sock.getsockname()[1])
-    except OSError as exc:
-        raise ConfigError(f"free_port: expected an address of this machine, found {host!r} ({exc})") from None
 
 
 def _worker_env(config: LaunchConfig) -> dict[str, str]:

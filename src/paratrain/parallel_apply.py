@@ -204,18 +204,18 @@ def parallel_apply(
     if len(modules) != len(shares):
         raise ValueError(f"{len(modules)} modules but {len(shares)} inputs")
     side = list(streams) if streams is not None else [None] * len(modules)
-    for share, stream in zip(shares, side, strict=False):
+    for share, stream in zip(shares, side, strict=True):
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(share.device))
-    outcomes = pool.run([_call(m, s, state, st) for m, s, st in zip(modules, shares, side, strict=False)])
+    outcomes = pool.run([_call(m, s, state, st) for m, s, st in zip(modules, shares, side, strict=True)])
     failures = [
         ReplicaFailure(i, share.device, error, text)
-        for i, ((_, error, text), share) in enumerate(zip(outcomes, shares, strict=False))
+        for i, ((_, error, text), share) in enumerate(zip(outcomes, shares, strict=True))
         if error is not None
     ]
     raise_failures(failures)
     outputs = [result for result, _, _ in outcomes]
-    for output, share, stream in zip(outputs, shares, side, strict=False):
+    for output, share, stream in zip(outputs, shares, side, strict=True):
         if stream is not None:
             _join_stream(output, share.device, stream)
     return outputs

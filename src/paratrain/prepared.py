@@ -1,51 +1,107 @@
 """Loaders after ``Parallel.prepare``: this process's share of each global batch, on the right device.
 
-Two kinds: paratrain's :class:`~paratrain.loader.DeviceLoader` (data already in tensors: this process indexes
-its share directly) and any other iterable of batches, such as a user's ``torch.utils.data.DataLoader``
-(every process reads the same global batch and keeps its slice, so results match one device exactly).
-Both record the local and global sample counts of the latest batch, which ``Parallel.backward`` uses to
-weight the loss.
+Two kinds: a loader that follows the :class:`IndexedLoader` protocol (its global batches are index tensors into
+data it can move to a device, so each process indexes its share directly; paratrain's own ``DeviceLoader`` is
+one), and any other iterable of batches, such as a user's ``torch.utils.data.DataLoader`` (every process reads
+the same global batch and keeps its slice, so results match one device exactly).
+
+Every batch they yield is recorded with its :class:`BatchShare` (this process's samples and the global batch's),
+which ``Parallel.backward`` turns into the loss weight of the step that batch was fed to.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch.utils.data import RandomSampler
+from torch.utils.data import DistributedSampler
 
-from .loader import DeviceLoader
+from .errors import ConfigError
+from .scatter_gather import batch_size
 from .strategies import Strategy
 from .tree import flatten, unflatten
 
-__all__ = ["BatchSizes", "PreparedDeviceLoader", "PreparedLoader"]
+__all__ = ["BatchShare", "IndexedLoader", "PreparedIndexedLoader", "PreparedLoader", "prepare_loader"]
 
 
-@dataclass
-class BatchSizes:
-    """Samples in the latest batch: this process's share and the whole global batch."""
+@dataclass(frozen=True)
+class BatchShare:
+    """Samples of one global batch: this process's share (``local``) and the whole batch (``total``)."""
 
-    local: int = 0
-    total: int = 0
+    local: int
+    total: int
 
 
-class PreparedDeviceLoader:
-    """A DeviceLoader whose data lives on the strategy's device and yields this process's share."""
+@runtime_checkable
+class IndexedLoader(Protocol):
+    """What a loader offers to be sharded on the device: global batches as index tensors, and the indexing.
 
-    def __init__(self, loader: DeviceLoader, strategy: Strategy, sizes: BatchSizes) -> None:
+    ``batch_indices(start)`` yields each global batch of the current epoch (from batch ``start`` on) as a 1-d
+    index tensor; ``take(indices)`` returns the batch made of those samples; ``to(device)`` returns the same
+    loader (settings, epoch) over data on ``device``.
+    """
+
+    def __len__(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def to(self, device: torch.device) -> IndexedLoader: ...
+
+    def batch_indices(self, start: int = 0) -> Iterator[torch.Tensor]: ...
+
+    def take(self, indices: torch.Tensor) -> Any: ...
+
+
+_yielded = itertools.count(1)  # orders batches across loaders: which one came last
+
+
+class _Recording:
+    """The share of the latest batch a loader yielded, and weak references to that batch's tensors."""
+
+    def __init__(self) -> None:
+        self.share: BatchShare | None = None
+        self.order = 0  # when the batch was yielded, among every prepared loader's batches
+        self._tensors: list[weakref.ref[torch.Tensor]] = []
+
+    def record(self, batch: Any, share: BatchShare) -> None:
+        leaves, _ = flatten(batch)
+        self._tensors = [weakref.ref(t) for t in leaves if isinstance(t, torch.Tensor)]
+        self.share = share
+        self.order = next(_yielded)
+
+    def owns(self, tensors: list[torch.Tensor]) -> bool:
+        """True when one of ``tensors`` is a tensor of the latest batch (fed to a model unchanged)."""
+        mine = [ref() for ref in self._tensors]
+        return any(t is m for t in tensors for m in mine if m is not None)
+
+
+def prepare_loader(loader: Iterable[Any], strategy: Strategy) -> PreparedIndexedLoader | PreparedLoader:
+    """The prepared form of ``loader``: indexed on the device when it follows :class:`IndexedLoader`."""
+    if isinstance(loader, IndexedLoader):
+        return PreparedIndexedLoader(loader, strategy)
+    return PreparedLoader(loader, strategy)
+
+
+class PreparedIndexedLoader:
+    """An :class:`IndexedLoader` whose data lives on the strategy's device and yields this process's share."""
+
+    def __init__(self, loader: IndexedLoader, strategy: Strategy) -> None:
         self.loader = loader.to(strategy.device)
         self.strategy = strategy
-        self.sizes = sizes
+        self.recording = _Recording()
         self._start = 0
 
     def __len__(self) -> int:
         return len(self.loader)
 
     @property
-    def num_samples(self) -> int:
-        return self.loader.num_samples
+    def share(self) -> BatchShare | None:
+        """The share of the batch yielded last (None before the first)."""
+        return self.recording.share
 
     def set_epoch(self, epoch: int) -> None:
         self.loader.set_epoch(epoch)
@@ -54,25 +110,44 @@ class PreparedDeviceLoader:
         """The next iteration starts at batch ``batches`` of the current epoch (resuming mid-epoch)."""
         self._start = batches
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         start, self._start = self._start, 0
-        data = self.loader.data
         for indices in self.loader.batch_indices(start):
             mine = self.strategy.shard(indices)
-            self.sizes.local, self.sizes.total = int(mine.numel()), int(indices.numel())
-            yield data.inputs.index_select(0, mine), data.targets.index_select(0, mine)
+            batch = self.loader.take(mine)
+            self.recording.record(batch, BatchShare(int(mine.numel()), int(indices.numel())))
+            yield batch
 
 
 class PreparedLoader:
-    """Any iterable of batches: each batch moved to the device and cut to this process's share."""
+    """Any iterable of batches: each batch moved to the device and cut to this process's share.
 
-    def __init__(self, loader: Iterable[Any], strategy: Strategy, sizes: BatchSizes) -> None:
+    Under several processes every process iterates the same loader and must see the same global batches, in
+    the order one process would see them. A sampler with its own ``generator`` gives that by itself (the
+    generator is the same in every process); one without draws from the global RNG, which drifts apart across
+    processes (dropout on shares of different sizes, say). So each epoch's iteration starts with rank 0's
+    global RNG state lent to every process; the user's loader and sampler are never changed.
+    """
+
+    def __init__(self, loader: Iterable[Any], strategy: Strategy) -> None:
+        samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+        if strategy.world_size > 1 and any(isinstance(s, DistributedSampler) for s in samplers):
+            raise ConfigError(
+                "prepare() got a DataLoader with a DistributedSampler, which already gives each process its own "
+                "batches; prepare() cuts every global batch into the processes' shares itself. Pass a loader "
+                "over the whole dataset (shuffle=True, or a RandomSampler)"
+            )
         self.loader = loader
         self.strategy = strategy
-        self.sizes = sizes
+        self.recording = _Recording()
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    @property
+    def share(self) -> BatchShare | None:
+        """The share of the batch yielded last (None before the first)."""
+        return self.recording.share
 
     def set_epoch(self, epoch: int) -> None:
         for holder in (self.loader, getattr(self.loader, "sampler", None)):
@@ -80,27 +155,28 @@ class PreparedLoader:
             if callable(set_epoch):
                 set_epoch(epoch)
 
-    def _same_order_everywhere(self) -> None:
-        """Every process must see the same global batches: the shuffle order comes from rank 0.
-
-        A DataLoader's RandomSampler without a generator draws its seed from the global RNG, which drifts
-        apart across processes as soon as they draw different amounts of randomness (dropout on slices of
-        different sizes, say).
-        """
-        sampler = getattr(self.loader, "sampler", None)
-        if self.strategy.world_size == 1 or not isinstance(sampler, RandomSampler):
-            return
-        seed = int(torch.empty((), dtype=torch.int64).random_().item()) if self.strategy.is_main else 0
-        generator = sampler.generator if sampler.generator is not None else torch.Generator()
-        sampler.generator = generator.manual_seed(int(self.strategy.broadcast_object(seed)))
+    def _global_batches(self) -> Iterator[Any]:
+        if self.strategy.world_size == 1:
+            return iter(self.loader)
+        # the draws that decide the order (the sampler's seed, the workers' base seed) come from the global RNG
+        # when the epoch's iteration begins; every process makes them with rank 0's generator state, lent
+        # until the first batch is out, so every process sees the batches one process with that state sees
+        shared = self.strategy.broadcast(torch.get_rng_state())
+        own = torch.get_rng_state()
+        torch.set_rng_state(shared)
+        try:
+            batches = iter(self.loader)
+            first = list(itertools.islice(batches, 1))
+        finally:
+            if not self.strategy.is_main:  # rank 0's own generator advances as it would in one process
+                torch.set_rng_state(own)
+        return itertools.chain(first, batches)
 
     def __iter__(self) -> Iterator[Any]:
         device = self.strategy.device
-        self._same_order_everywhere()
-        for batch in self.loader:
+        for batch in self._global_batches():
             leaves, spec = flatten(batch)
-            sized = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
-            total = int(sized[0].shape[0]) if sized else 0
+            total = batch_size(leaves, spec) or 0
             mine = self.strategy.shard(torch.arange(total))  # a contiguous slice of the global batch
             start, count = (int(mine[0]), int(mine.numel())) if mine.numel() else (0, 0)
             moved = []
@@ -110,5 +186,6 @@ class PreparedLoader:
                         leaf = leaf.narrow(0, start, count)
                     leaf = leaf.to(device, non_blocking=True)
                 moved.append(leaf)
-            self.sizes.local, self.sizes.total = count, total
-            yield unflatten(moved, spec)
+            share = unflatten(moved, spec)
+            self.recording.record(share, BatchShare(count, total))
+            yield share

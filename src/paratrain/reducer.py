@@ -62,7 +62,7 @@ class Reducer:
         self.bucket_of = [0] * len(self.params)
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
         for b, bucket in enumerate(self.buckets):
-            for i, offset in zip(bucket.indices, bucket.offsets):
+            for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
                 p = self.params[i]
                 self.bucket_of[i] = b
                 self.views[i] = self.buffers[b].narrow(0, offset, p.numel()).view_as(p)

@@ -146,7 +146,7 @@ class ReplicaSet:
             groups.setdefault((original.device, original.dtype), []).append((original, usable))
         for items in groups.values():
             _merge_group(
-                [o for o, _ in items], [list(c) for c in zip(*(cur for _, cur in items), strict=False)], weights, mode
+                [o for o, _ in items], [list(c) for c in zip(*(cur for _, cur in items), strict=True)], weights, mode
             )
 
     def release(self) -> None:
@@ -180,7 +180,7 @@ def _merge_group(
         else:
             floating = base.is_floating_point() or base.is_complex()
             acc = torch.zeros_like(base, dtype=base.dtype if floating else torch.float64)
-            for w, buffers in zip(weights, per_replica, strict=False):
+            for w, buffers in zip(weights, per_replica, strict=True):
                 flat = _flat(buffers, device)
                 if floating:  # where(): an unchanged inf gives a change of 0, not inf - inf = nan
                     delta = torch.where(flat == base, torch.zeros_like(flat), flat - base)
@@ -189,7 +189,7 @@ def _merge_group(
                 acc.add_(delta, alpha=w)
             new = base + acc if floating else base + acc.round().to(base.dtype)
         pieces = [
-            piece.view_as(o) for piece, o in zip(new.split([o.numel() for o in originals]), originals, strict=False)
+            piece.view_as(o) for piece, o in zip(new.split([o.numel() for o in originals]), originals, strict=True)
         ]
         torch._foreach_copy_(originals, pieces)
 
@@ -230,7 +230,7 @@ class Replicator:
         self.module = module
         self.devices = list(devices)
         self.share_same_device = share_same_device
-        self.builds = 0  # how often replica objects were (re)built; tests and benchmarks read it
+        self._builds = 0  # how often replica objects were (re)built: private, kept so tests can prove reuse
         self._plan: _Plan | None = None
 
     def replicate(self, slots: Sequence[int] | None = None) -> ReplicaSet:
@@ -240,15 +240,15 @@ class Replicator:
         key = _structure_key(modules)
         if self._plan is None or self._plan.key != key:
             self._plan = _build_plan(key, modules, len(self.devices))
-            self.builds += 1
+            self._builds += 1
         plan = self._plan
         devices = [self.devices[row] for row in rows]
         params: list[torch.Tensor] = [plan.modules[mi]._parameters[name] for mi, name in plan.param_refs]  # type: ignore[misc]
         buffers = [plan.modules[mi]._buffers[name] for mi, name in plan.buffer_slots]
         replicas = ReplicaSet(plan, rows, devices)
-        for row, device in zip(rows, devices, strict=False):
+        for row, device in zip(rows, devices, strict=True):
             shells = plan.shells[row]
-            for mi, (original, shell) in enumerate(zip(plan.modules, shells, strict=False)):
+            for mi, (original, shell) in enumerate(zip(plan.modules, shells, strict=True)):
                 _refresh_shell(shell, original, plan.children[row][mi], plan.own_replicate[mi])
             copies = [self._param_copy(p, device) for p in params]
             for mi, name, ui in plan.param_slots:
@@ -256,7 +256,7 @@ class Replicator:
             # every replica gets its own buffers: updates in forward must not race, and the originals
             # stay as they were so sync_buffers can tell each replica's change
             seen: dict[int, torch.Tensor] = {}
-            for (mi, name), b in zip(plan.buffer_slots, buffers, strict=False):
+            for (mi, name), b in zip(plan.buffer_slots, buffers, strict=True):
                 copy = None
                 if b is not None:
                     copy = seen.get(id(b))

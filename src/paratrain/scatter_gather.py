@@ -7,11 +7,12 @@ input flows back to the caller's tensor.
     split_sizes(30, 4)                                  # [8, 8, 7, 7]
     per_device = scatter((x,), {"mask": m}, devices, dim=0)
     out = gather([r(*a, **k) for r, (a, k) in ...], torch.device("cpu"), dim=0)
+    shard(torch.arange(10), rank=1, world_size=3)      # tensor([4, 5, 6]): a process's slice, same rule
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from .errors import ConfigError, GatherError, ScatterError
 from .tree import TreeSpec, flatten, leaf_paths, unflatten
 
-__all__ = ["Scattered", "check_chunk_sizes", "gather", "scatter", "split_sizes"]
+__all__ = ["Scattered", "batch_size", "check_chunk_sizes", "gather", "scatter", "shard", "split_sizes"]
 
 
 def split_sizes(batch_size: int, num_devices: int) -> list[int]:
@@ -71,8 +72,16 @@ def _split_dim(t: torch.Tensor, dim: int) -> int:
     return dim if dim >= 0 else t.dim() + dim
 
 
-def _batch_size(leaves: list[Any], spec: TreeSpec, dim: int) -> int | None:
-    """The common size along ``dim`` of every tensor with at least one dimension, or None if none has one."""
+def batch_size(
+    leaves: list[Any], spec: TreeSpec, dim: int = 0, name: Callable[[str], str] = lambda path: f"batch{path}"
+) -> int | None:
+    """The common size along ``dim`` of every tensor leaf with at least one dimension; None if none has one.
+
+    ``name`` turns a leaf's path (``[0]['mask']``) into the name used in errors.
+
+    Raises:
+        ScatterError: a tensor has no dimension ``dim``, or two tensors disagree on its size (each is named).
+    """
     found: list[tuple[int, int]] = []
     paths = None
     for i, leaf in enumerate(leaves):
@@ -82,7 +91,7 @@ def _batch_size(leaves: list[Any], spec: TreeSpec, dim: int) -> int | None:
         if not 0 <= d < leaf.dim():
             paths = paths or leaf_paths(spec)
             raise ScatterError(
-                f"cannot split input {_input_name(paths[i])} of shape {tuple(leaf.shape)} along dim {dim}: "
+                f"cannot split input {name(paths[i])} of shape {tuple(leaf.shape)} along dim {dim}: "
                 f"it has only {leaf.dim()} dimension(s); pass a dim that every batched input has"
             )
         found.append((i, leaf.size(d)))
@@ -91,7 +100,7 @@ def _batch_size(leaves: list[Any], spec: TreeSpec, dim: int) -> int | None:
     sizes = {size for _, size in found}
     if len(sizes) > 1:
         paths = paths or leaf_paths(spec)
-        listed = ", ".join(f"{_input_name(paths[i])}: {size}" for i, size in found)
+        listed = ", ".join(f"{name(paths[i])}: {size}" for i, size in found)
         raise ScatterError(
             f"inputs disagree on the batch size along dim {dim} ({listed}); every tensor input is split along "
             f"dim {dim}, so each must have the same size there (pass per-batch constants as Python values "
@@ -123,7 +132,7 @@ def scatter(
     would get no samples are left out of the result.
     """
     leaves, spec = flatten((tuple(args), dict(kwargs)))
-    batch = _batch_size(leaves, spec, dim)
+    batch = batch_size(leaves, spec, dim, _input_name)
     if batch is None:
         # nothing to split: the whole call runs once, on the first device
         moved = [_to(leaf, devices[0]) for leaf in leaves]
@@ -144,16 +153,37 @@ def scatter(
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             pieces = leaf.split(used_sizes, _split_dim(leaf, dim))
-            for bucket, piece, (device, _) in zip(per_device, pieces, used, strict=False):
+            for bucket, piece, (device, _) in zip(per_device, pieces, used, strict=True):
                 bucket.append(_to(piece, device))
         else:
-            for bucket, (device, _) in zip(per_device, used, strict=False):
+            for bucket, (device, _) in zip(per_device, used, strict=True):
                 bucket.append(_to(leaf, device))
     result = []
-    for index, leaves_here, (device, size) in zip(slots, per_device, used, strict=False):
+    for index, leaves_here, (device, size) in zip(slots, per_device, used, strict=True):
         a, k = unflatten(leaves_here, spec)
         result.append(Scattered(index, device, a, k, size))
     return result
+
+
+def shard(indices: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous slice of a global batch's indices (or of any 1-d tensor).
+
+    Sizes are balanced as in :func:`split_sizes` (the larger slices first, differing by at most one); when the
+    batch has fewer samples than ranks, the last ranks get empty slices (processes, unlike devices in one
+    process, cannot be left out of a step).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive int, found {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be an int from 0 to {world_size - 1} (world_size - 1), found {rank!r}")
+    if indices.dim() != 1:
+        raise ConfigError(f"indices must be 1-d (one global batch), found shape {tuple(indices.shape)}")
+    n = indices.size(0)
+    if n >= world_size:
+        sizes = split_sizes(n, world_size)
+        start = sum(sizes[:rank])
+        return indices[start : start + sizes[rank]]
+    return indices[rank : rank + 1] if rank < n else indices[n:]
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -179,9 +209,9 @@ def gather(outputs: Sequence[Any], device: torch.device, dim: int = 0) -> Any:
                 f"but replica {i} returned {spec.describe()}; a module under DataParallel must return the "
                 f"same structure for every slice of the batch"
             )
-    columns = list(zip(*(leaves for leaves, _ in flat), strict=False))
+    columns = list(zip(*(leaves for leaves, _ in flat), strict=True))
     paths = leaf_paths(spec0)
-    gathered = [_gather_leaf(list(col), device, dim, path) for col, path in zip(columns, paths, strict=False)]
+    gathered = [_gather_leaf(list(col), device, dim, path) for col, path in zip(columns, paths, strict=True)]
     return unflatten(gathered, spec0)
 
 

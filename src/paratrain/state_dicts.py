@@ -6,10 +6,12 @@ model.load_state_dict(strip_module_prefix(saved["model"]))
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from .errors import CheckpointError
 
@@ -28,9 +30,11 @@ def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
     All or nothing: keys are changed only when every one of them carries the prefix, so a model that merely has
     a submodule called ``module`` is left alone.
     """
-    if state and all(isinstance(key, str) and key.startswith(_MODULE_PREFIX) for key in state):
-        return {key[len(_MODULE_PREFIX) :]: value for key, value in state.items()}
-    return dict(state)
+    stripped = OrderedDict(state)
+    # torch's helper strips every key that has the prefix; the all-or-nothing rule is ours, checked first
+    if stripped and all(isinstance(key, str) and key.startswith(_MODULE_PREFIX) for key in stripped):
+        consume_prefix_in_state_dict_if_present(stripped, _MODULE_PREFIX)
+    return dict(stripped)
 
 
 def check_compatible(

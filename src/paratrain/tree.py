@@ -120,15 +120,15 @@ def _build(it: Iterator[Any], spec: TreeSpec) -> Any:
     if spec.kind == _NAMEDTUPLE:
         return cls(*values)
     if spec.kind == _DICT:
-        pairs = list(zip(spec.keys, values, strict=False))
+        pairs = list(zip(spec.keys, values, strict=True))
         if issubclass(cls, defaultdict):
             return cls(spec.context, pairs)
         return cls(pairs)
     # dataclass: construct with the __init__ fields, then set the others as dataclasses.replace would not
     no_init = spec.context or ()
-    init_kwargs = {k: v for k, v in zip(spec.keys, values, strict=False) if k not in no_init}
+    init_kwargs = {k: v for k, v in zip(spec.keys, values, strict=True) if k not in no_init}
     obj = cls(**init_kwargs)
-    for k, v in zip(spec.keys, values, strict=False):
+    for k, v in zip(spec.keys, values, strict=True):
         if k in no_init:
             object.__setattr__(obj, k, v)
     return obj

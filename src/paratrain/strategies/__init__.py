@@ -1,7 +1,17 @@
-"""Ways of running a training loop, each a small class behind :class:`Strategy`.
+"""Ways of running a training loop, each a small class behind :class:`Strategy`, and the one rule for ``auto``.
 
 strategy = select_strategy("auto", "cpu,cpu,cpu")    # -> dp over three CPU replicas
 strategy = select_strategy("single", "cuda:1")
+
+``auto`` means the same everywhere (``Parallel("auto")``, ``paratrain train``, ``verify``/``bench``), decided by
+:func:`resolve_strategy` in this order:
+
+1. in a process started by a launcher (``paratrain launch``, torchrun): ``ddp``;
+2. ``devices`` ``auto`` or ``cuda`` while several GPUs are visible: ``ddp``, one process per GPU (the fast way
+   to use several GPUs). ``paratrain train`` then starts the processes itself; a script using ``Parallel`` is
+   told to start through ``paratrain launch`` (or to ask for ``dp`` explicitly);
+3. an explicit list of several devices (``cpu,cpu,cpu``, ``cuda:0,cuda:1``): ``dp``, in this process;
+4. otherwise (one GPU, or the CPU): ``single``.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import torch
 from ..devices import DeviceLike, parse_device_list, parse_devices_arg, visible_gpus
 from ..errors import ConfigError
 from .base import ReduceOp, Strategy
-from .ddp import DistributedStrategy, launched_by_torchrun
+from .ddp import DDP_DEVICES, DistributedStrategy, launched_by_torchrun
 from .dp import DataParallelStrategy
 from .single import SingleDevice
 
@@ -26,13 +36,16 @@ __all__ = [
     "Strategy",
     "launched_by_torchrun",
     "resolve_devices",
+    "resolve_strategy",
     "select_strategy",
 ]
 
 STRATEGY_NAMES = ("auto", "single", "dp", "ddp")
 
+Devices = str | Sequence[DeviceLike] | None
 
-def resolve_devices(devices: str | Sequence[DeviceLike] | None) -> list[torch.device]:
+
+def resolve_devices(devices: Devices) -> list[torch.device]:
     """``auto``/None: every GPU, or the CPU without one; otherwise the devices given, checked to exist."""
     if devices is None:
         parsed = None
@@ -45,34 +58,64 @@ def resolve_devices(devices: str | Sequence[DeviceLike] | None) -> list[torch.de
     return parsed
 
 
-def select_strategy(
-    name: str = "auto", devices: str | Sequence[DeviceLike] | None = "auto", *, timeout: float | None = None
-) -> Strategy:
-    """The strategy called ``name`` on ``devices``.
+def resolve_strategy(name: str, devices: Devices) -> str:
+    """The strategy ``name`` stands for on ``devices``: ``auto`` resolved by the rule in the module docstring.
 
-    ``auto`` picks ``ddp`` in a process started by torchrun (``paratrain launch``), else ``dp`` when several
-    devices are in play (every visible GPU when there are several, or an explicit list such as
-    ``cpu,cpu,cpu``), else ``single``. ``ddp`` takes ``devices`` ``auto`` (this process's GPU, or the CPU),
-    ``cpu`` or ``cuda``.
+    Raises:
+        ConfigError: an unknown name.
     """
     if name not in STRATEGY_NAMES:
         raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}")
-    if name == "ddp" or (name == "auto" and launched_by_torchrun()):
-        device_type = devices if isinstance(devices, str) and devices in ("auto", "cpu", "cuda") else None
-        if device_type is None:
+    if name != "auto":
+        return name
+    if launched_by_torchrun():
+        return "ddp"
+    if _means_every_gpu(devices) and len(visible_gpus()) > 1:
+        return "ddp"
+    return "dp" if len(resolve_devices(devices)) > 1 else "single"
+
+
+def _means_every_gpu(devices: Devices) -> bool:
+    return devices is None or (isinstance(devices, str) and devices.strip() in ("auto", "cuda"))
+
+
+def select_strategy(name: str = "auto", devices: Devices = "auto", *, timeout: float | None = None) -> Strategy:
+    """The strategy called ``name`` on ``devices`` (``auto``: see :func:`resolve_strategy`).
+
+    ``ddp`` takes ``devices`` ``auto`` (this process's GPU, or the CPU), ``cpu`` or ``cuda``. ``timeout`` (seconds
+    a collective may wait for the other ranks) applies to ``ddp``; with ``auto`` it applies if ``auto`` picks
+    ``ddp``, and naming ``single`` or ``dp`` with a timeout is an error.
+
+    Raises:
+        ConfigError: an unknown name, devices the strategy cannot use, a ``timeout`` for a strategy without
+            collectives, or ``auto`` choosing ``ddp`` in a process that no launcher started.
+    """
+    resolved = resolve_strategy(name, devices)
+    if resolved == "ddp":
+        if name == "auto" and not launched_by_torchrun():
             raise ConfigError(
-                f"strategy 'ddp' takes --devices auto, cpu or cuda (each process uses one device: its local "
-                f"rank's GPU, or the CPU); found {devices!r}"
+                f"strategy 'auto' chose ddp because {len(visible_gpus())} GPUs are visible, and ddp runs one "
+                f"process per GPU: start this script with `paratrain launch script.py` (or torchrun), or pass "
+                f"strategy='dp' to use them all from this process, or devices='cuda:0' for one"
+            )
+        device_type = devices.strip() if isinstance(devices, str) else None
+        if device_type not in DDP_DEVICES:
+            raise ConfigError(
+                f"strategy 'ddp' takes devices {', '.join(DDP_DEVICES)} (each process uses one device: its local "
+                f"rank's GPU, or the CPU); found {devices!r}. For a list of devices in one process use 'dp'"
             )
         return DistributedStrategy(device_type, **({} if timeout is None else {"timeout": timeout}))
-    resolved = resolve_devices(devices)
-    if name == "auto":
-        name = "dp" if len(resolved) > 1 else "single"
-    if name == "single":
-        if len(resolved) != 1:
+    if timeout is not None and name != "auto":
+        raise ConfigError(
+            f"timeout is for strategy 'ddp' (how long a collective waits for the other processes); strategy "
+            f"{resolved!r} runs in one process and has no collectives: drop timeout"
+        )
+    chosen = resolve_devices(devices)
+    if resolved == "single":
+        if len(chosen) != 1:
             raise ConfigError(
-                f"strategy 'single' runs on one device but {len(resolved)} were given "
-                f"({', '.join(map(str, resolved))}); pass one device or use --strategy dp"
+                f"strategy 'single' runs on one device but {len(chosen)} were given "
+                f"({', '.join(map(str, chosen))}); pass one device or use --strategy dp"
             )
-        return SingleDevice(resolved[0])
-    return DataParallelStrategy(resolved)
+        return SingleDevice(chosen[0])
+    return DataParallelStrategy(chosen)

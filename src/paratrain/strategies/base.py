@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -90,9 +90,9 @@ class Strategy(ABC):
         """Every process's ``tensor``, in rank order."""
         return [tensor]
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Process ``src``'s ``obj`` on every process."""
-        return obj
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Process ``src``'s ``tensor`` in every process (a new tensor; in one process, the tensor itself)."""
+        return tensor
 
     def barrier(self) -> None:
         """Wait until every process arrives."""

@@ -17,12 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import DEFAULT_TIMEOUT_S, DistributedDataParallel
+from ..collectives import DEFAULT_TIMEOUT_S
+from ..distributed import DistributedDataParallel
 from ..errors import ConfigError
-from ..loader import shard
+from ..scatter_gather import shard
 from .base import ReduceOp, Strategy
 
-__all__ = ["DistributedStrategy", "launched_by_torchrun"]
+__all__ = ["DDP_DEVICES", "DistributedStrategy", "launched_by_torchrun"]
+
+DDP_DEVICES = ("auto", "cpu", "cuda")  # each process uses one device: its local rank's GPU, or the CPU
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -49,7 +52,7 @@ class DistributedStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, device_type: str = "auto", *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        if device_type not in ("auto", "cpu", "cuda"):
+        if device_type not in DDP_DEVICES:
             raise ConfigError(f"ddp runs on 'cpu' or 'cuda' (one GPU per process); found {device_type!r}")
         self._device_type = device_type
         self._timeout = timeout
@@ -132,27 +135,30 @@ class DistributedStrategy(Strategy):
         return local_samples * self.world_size / global_samples
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        out = tensor.clone()
+        out = tensor.to(self._device, copy=True)  # nccl takes no CPU tensors
         dist.all_reduce(out, op=_OPS["sum" if op == "mean" else op])
-        return out / self.world_size if op == "mean" else out
+        out = out / self.world_size if op == "mean" else out
+        return out.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        # slices may differ in length along dim 0: exchange lengths, pad to the longest, trim after
-        length = torch.tensor([tensor.shape[0] if tensor.dim() else 1], device=tensor.device)
+        # slices may differ in length along dim 0: exchange lengths, pad to the longest, trim after. The
+        # collectives run on this process's device (nccl takes no CPU tensors); parts come back where
+        # ``tensor`` was.
+        flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        length = torch.tensor([flat.shape[0]], device=self._device)
         lengths = [torch.zeros_like(length) for _ in range(self.world_size)]
         dist.all_gather(lengths, length)
-        longest = int(max(int(n) for n in lengths))
-        flat = tensor.reshape(-1, *tensor.shape[1:]) if tensor.dim() else tensor.reshape(1)
-        padded = torch.zeros(longest, *flat.shape[1:], dtype=flat.dtype, device=flat.device)
+        counts = [int(n) for n in lengths]
+        padded = torch.zeros(max(counts), *flat.shape[1:], dtype=flat.dtype, device=self._device)
         padded[: flat.shape[0]] = flat
-        parts = [torch.zeros_like(padded) for _ in range(self.world_size)]
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded)
-        return [part[: int(n)] for part, n in zip(parts, lengths)]
+        return [part[:n].to(tensor.device) for part, n in zip(parts, counts, strict=True)]
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=src)
-        return holder[0]
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        out = tensor.to(self._device, copy=True)  # nccl takes no CPU tensors
+        dist.broadcast(out, src=src)
+        return out.to(tensor.device)
 
     def barrier(self) -> None:
         dist.barrier()

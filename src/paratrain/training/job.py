@@ -1,11 +1,11 @@
 """The training job behind ``paratrain train``, written only against :class:`~paratrain.parallel.Parallel`.
 
-    paratrain train                                          # the second seed: SimpleNet, digits, 5 epochs
+    paratrain train                                          # the tutorial's job: SimpleNet, digits, 5 epochs
     paratrain train --strategy dp --devices cpu,cpu,cpu      # the same run split over three CPU replicas
     paratrain train --devices cuda:0,cuda:1 --metrics-out m.json
     paratrain train --checkpoint-dir runs/a && paratrain train --checkpoint-dir runs/a --resume
 
-From Python: ``train(TrainConfig(epochs=1, quiet=True))`` returns a :class:`~paratrain.results.TrainResult`.
+From Python: ``train(TrainConfig(epochs=1, quiet=True))`` returns a :class:`~paratrain.training.results.TrainResult`.
 """
 
 from __future__ import annotations
@@ -20,77 +20,22 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .checkpoint import (
-    check_writable,
-    checkpoint_name,
-    latest_checkpoint,
-    load_checkpoint,
-    prune_checkpoints,
-)
-from .datasets import DATASET_NAMES, TensorData, load_dataset
-from .errors import CheckpointError, ConfigError
+from ..checkpoint import check_writable, checkpoint_name, latest_checkpoint, load_checkpoint, prune_checkpoints
+from ..errors import CheckpointError
+from ..parallel import Parallel, seed_everything
+from ..rng import rng_state, set_rng_state
+from ..state_dicts import check_compatible
+from .config import RESUME_MODES, TrainConfig
+from .datasets import TensorData, load_dataset
 from .loader import DeviceLoader
-from .models import MODEL_NAMES, build_model
-from .parallel import Parallel, seed_everything
+from .models import build_model
 from .progress import Progress
 from .results import TrainResult, fingerprint, write_metrics
-from .rng import rng_state, set_rng_state
-from .state_dicts import check_compatible
 
-__all__ = ["RESUME_MODES", "TrainConfig", "evaluate", "train"]
+__all__ = ["evaluate", "train"]
 
-RESUME_MODES = ("latest", "if-exists")
 # what must match between a checkpoint and the run that resumes from it
 _IDENTITY = ("model", "dataset", "batch_size", "seed", "width", "depth")
-
-
-@dataclass
-class TrainConfig:
-    """Every setting of a training run; the defaults are the second seed's."""
-
-    model: str = "simplenet"
-    dataset: str = "digits"
-    epochs: int = 5
-    batch_size: int = 64
-    lr: float = 0.01
-    log_every: int = 100
-    strategy: str = "auto"
-    devices: str = "auto"
-    seed: int = 0
-    data_dir: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # steps between mid-epoch checkpoints; 0: only at the end of each epoch
-    keep_checkpoints: int = 3
-    resume: str | None = None  # None, "latest", "if-exists", or a checkpoint file's path
-    metrics_out: str | None = None
-    quiet: bool = False
-    progress_bar: bool | None = None  # None: when stderr is a terminal
-    width: int = 1024  # mlp only
-    depth: int = 2  # mlp only
-    max_steps: int | None = None  # stop after this many optimizer steps in this run (for tests and smoke runs)
-    eval_batch_size: int = 1024
-    timeout: float = 300.0  # ddp: seconds a collective may wait for the other ranks
-
-    def validate(self) -> None:
-        """Raise ConfigError for settings no run can use, before any work starts."""
-        if self.model not in MODEL_NAMES:
-            raise ConfigError(f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_NAMES)}")
-        if self.dataset not in DATASET_NAMES:
-            raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASET_NAMES)}")
-        checks = [
-            (self.epochs >= 1, f"--epochs must be at least 1; found {self.epochs}"),
-            (self.batch_size >= 1, f"--batch-size must be at least 1; found {self.batch_size}"),
-            (self.lr > 0, f"--lr must be positive; found {self.lr}"),
-            (self.log_every >= 1, f"--log-every must be at least 1; found {self.log_every}"),
-            (self.checkpoint_every >= 0, f"--checkpoint-every must be 0 or more; found {self.checkpoint_every}"),
-            (self.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1; found {self.keep_checkpoints}"),
-            (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1; found {self.max_steps}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-        if self.resume is not None and self.checkpoint_dir is None and self.resume in RESUME_MODES:
-            raise ConfigError("--resume needs --checkpoint-dir (where to look for the latest checkpoint)")
 
 
 @dataclass
@@ -109,7 +54,7 @@ def evaluate(par: Parallel, model: nn.Module, data: TensorData, batch_size: int 
     was_training = model.training
     model.eval()
     device = par.device
-    indices = par.strategy.shard(torch.arange(len(data)))
+    indices = par.shard(torch.arange(len(data)))
     correct = torch.zeros((), dtype=torch.int64, device=device)
     with torch.no_grad():
         for chunk in indices.split(batch_size):
@@ -167,7 +112,7 @@ class _Run:
         config, splits = self.config, self.splits
         self.say(
             f"Training {config.model} on {config.dataset} ({len(splits.train)} train / {len(splits.test)} test) "
-            f"with {self.par.strategy.describe()}, global batch {config.batch_size}, {config.epochs} epochs"
+            f"with {self.par.describe()}, global batch {config.batch_size}, {config.epochs} epochs"
         )
         loop_start = time.perf_counter()
         for epoch in range(self.pos.epoch, config.epochs):
@@ -198,12 +143,14 @@ class _Run:
             self.optimizer.zero_grad()
             par.backward(loss)
             self.optimizer.step()
-            loss_sum += loss.detach().double() * labels.shape[0]
-            loss_count += labels.shape[0]
-            self.samples += par.batch_sizes.total
+            if len(labels):  # an empty share's mean loss is NaN (0/0), and NaN * 0 is still NaN
+                loss_sum += loss.detach().double() * len(labels)
+                loss_count += len(labels)
+            global_batch = loader.share.total
+            self.samples += global_batch
             self.steps += 1
             pos.global_step += 1
-            self.progress.step(i, par.batch_sizes.total, loss)
+            self.progress.step(i, global_batch, loss)
             if i % config.log_every == 0:
                 self.say(f"Epoch {epoch}, Step {i}, Loss: {loss.item()}")
             reached = config.max_steps is not None and self.steps >= config.max_steps
@@ -241,8 +188,8 @@ class _Run:
             epochs=config.epochs,
             samples_per_second=self.samples / loop_seconds,
             wall_seconds=time.perf_counter() - self.wall_start,
-            strategy=par.strategy.name,
-            devices=par.strategy.world_devices(),
+            strategy=par.strategy_name,
+            devices=par.world_devices(),
             seed=config.seed,
             model_fingerprint=fingerprint(par.unwrap(self.model).state_dict()),
             model=config.model,

@@ -1,26 +1,46 @@
-"""The first seed's demo: a random dataset, a Linear(5, 2) model, and how DataParallel splits each batch.
+"""``paratrain demo``: the DataParallel tutorial's demo, showing how DataParallel splits each batch.
 
-paratrain demo                          # every GPU, or two CPU replicas without one
-paratrain demo --devices cpu,cpu,cpu    # 30 samples -> 10 per replica
+A random dataset (100 vectors of 5 features), a Linear(5, 2) model that prints the size of what each replica
+receives, batches of 30::
+
+    paratrain demo                          # every GPU, or two CPU replicas without one
+    paratrain demo --devices cpu,cpu,cpu    # 30 samples -> 10 per replica
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .data_parallel import DataParallel
-from .devices import visible_gpus
-from .models import DemoModel, print_line
-from .scatter_gather import split_sizes
+from ..data_parallel import DataParallel
+from ..devices import parse_devices_arg, visible_gpus
+from ..scatter_gather import split_sizes
+from ..training.models import DemoModel, print_line
+from .argtypes import positive_int
 
-__all__ = ["RandomDataset", "default_demo_devices", "run_demo"]
+__all__ = ["RandomDataset", "add_demo_parser", "default_demo_devices", "run_demo"]
+
+
+def add_demo_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    dm = commands.add_parser("demo", help="the DataParallel tutorial's demo: how each batch is split")
+    dm.add_argument("--devices", default="auto", help="auto (every GPU, or cpu,cpu without one), cpu,cpu,cpu, 0,1, ...")
+    dm.add_argument("--batch-size", type=positive_int, default=30)
+    dm.add_argument("--data-size", type=positive_int, default=100)
+    dm.add_argument("--seed", type=int, default=0)
+    dm.set_defaults(handler=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    devices = parse_devices_arg(args.devices) or default_demo_devices()
+    run_demo(devices, batch_size=args.batch_size, data_size=args.data_size, seed=args.seed)
+    return 0
 
 
 class RandomDataset(Dataset[torch.Tensor]):
-    """``length`` random vectors of ``size`` features, as in the first seed."""
+    """``length`` random vectors of ``size`` features, as in the tutorial."""
 
     def __init__(self, size: int, length: int, generator: torch.Generator | None = None) -> None:
         self.len = length

@@ -1,4 +1,4 @@
-"""Progress for the main process: a tqdm bar per epoch, the seed's loss line, epoch summaries.
+"""Progress for the main process: a tqdm bar per epoch, the tutorial's loss line, epoch summaries.
 
 The bar goes to stderr and only when it is a terminal; log lines go to stdout through ``tqdm.write`` so they
 do not tear the bar. Reading a loss value synchronises a GPU, so the bar reads it only every few steps.

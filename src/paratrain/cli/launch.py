@@ -1,7 +1,9 @@
-"""The command-line side of the launcher: ``paratrain launch`` and the launcher options of ``paratrain train``.
+"""``paratrain launch``, and the launcher options it shares with ``paratrain train``.
 
 paratrain launch --nproc-per-node 2 train.py --epochs 3
 paratrain train --strategy ddp --nproc-per-node 2
+
+The options are generated from :class:`~paratrain.launch.LaunchConfig`'s fields.
 """
 
 from __future__ import annotations
@@ -10,68 +12,22 @@ import argparse
 import signal
 import sys
 
+from ..launch import LaunchConfig, launch
 from .argtypes import positive_int_or_auto
-from .launch import LaunchConfig, launch
+from .options import add_options, from_args
 
-__all__ = ["add_launch_parser", "add_launcher_options", "launch_config"]
+__all__ = ["add_launch_parser", "add_launcher_options", "launch_config", "report_exit"]
 
 
 def add_launcher_options(parser: argparse.ArgumentParser) -> None:
     """The options that say how many processes on how many machines, shared by ``launch`` and ``train``."""
-    defaults = LaunchConfig()
     group = parser.add_argument_group("processes and machines (torchrun)")
-    group.add_argument(
-        "--nproc-per-node",
-        type=positive_int_or_auto,
-        default=defaults.nproc_per_node,
-        metavar="N|auto",
-        help="processes on this machine (default auto: one per GPU, one without a GPU)",
-    )
-    group.add_argument("--nnodes", default=defaults.nnodes, metavar="N|MIN:MAX", help="number of machines (default 1)")
-    group.add_argument(
-        "--node-rank", type=int, default=defaults.node_rank, metavar="R", help="this machine's rank, static rendezvous"
-    )
-    group.add_argument("--master-addr", metavar="ADDR", help="address of node 0 (static rendezvous)")
-    group.add_argument("--master-port", type=int, metavar="PORT", help="port on node 0 (static rendezvous)")
-    group.add_argument(
-        "--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous; the same on every machine; it numbers the nodes"
-    )
-    group.add_argument("--rdzv-id", metavar="ID", help="a job id shared by the nodes of one job")
-    group.add_argument(
-        "--rdzv-timeout", type=int, metavar="SECONDS", help="how long a node waits for the others (default 600)"
-    )
-    group.add_argument("--local-addr", metavar="ADDR", help="the address other machines reach this one at")
-    group.add_argument(
-        "--max-restarts",
-        type=int,
-        default=defaults.max_restarts,
-        metavar="K",
-        help="restart the workers up to K times after a failure (default 0)",
-    )
-    group.add_argument(
-        "--monitor-interval",
-        type=float,
-        default=defaults.monitor_interval,
-        metavar="SECONDS",
-        help=f"how often torchrun checks its workers (default {defaults.monitor_interval:g})",
-    )
+    add_options(group, LaunchConfig, parsers={"nproc_per_node": positive_int_or_auto, "nnodes": str})
 
 
 def launch_config(args: argparse.Namespace) -> LaunchConfig:
     """The :class:`LaunchConfig` the launcher options in ``args`` describe."""
-    return LaunchConfig(
-        nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id,
-        rdzv_timeout=args.rdzv_timeout,
-        local_addr=args.local_addr,
-        max_restarts=args.max_restarts,
-        monitor_interval=args.monitor_interval,
-    )
+    return from_args(LaunchConfig, args)
 
 
 def add_launch_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

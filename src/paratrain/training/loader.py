@@ -10,7 +10,9 @@ whole split sits on the device and each batch is one ``index_select``::
             ...
 
     loader.skip(120); loader.set_epoch(3)        # resume: the next pass starts at batch 120 of epoch 3
-    mine = shard(next(loader.batch_indices()), rank, world_size)   # this rank's slice of a global batch
+
+It follows the engine's :class:`~paratrain.prepared.IndexedLoader` protocol (``batch_indices``, ``take``, ``to``),
+so ``Parallel.prepare`` has each process index its own share of every global batch on its device.
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ from collections.abc import Iterator
 
 import torch
 
+from ..errors import ConfigError
 from .datasets import TensorData
-from .errors import ConfigError
-from .scatter_gather import split_sizes
 
-__all__ = ["DeviceLoader", "shard"]
+__all__ = ["DeviceLoader"]
 
 _EPOCH_STRIDE = 1_000_003  # a prime, so (seed, epoch) pairs of everyday sizes map to distinct generator seeds
 
@@ -130,33 +131,15 @@ class DeviceLoader:
         return self._batches(self.batch_indices(start))
 
     def _batches(self, indices: Iterator[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        inputs, targets = self.data.inputs, self.data.targets
         for idx in indices:
-            yield inputs.index_select(0, idx), targets.index_select(0, idx)
+            yield self.take(idx)
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of the samples at ``indices``, on the data's device."""
+        return self.data.inputs.index_select(0, indices), self.data.targets.index_select(0, indices)
 
     def _check_start(self, start: int, what: str) -> None:
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(self):
             raise ConfigError(
                 f"{what} must be a batch number from 0 to {len(self)} (the batches per epoch), found {start!r}"
             )
-
-
-def shard(indices: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's contiguous slice of a global batch's indices.
-
-    Sizes are balanced as in ``split_sizes`` (the larger slices first, differing by at most one); when the batch has
-    fewer samples than ranks, the last ranks get empty slices.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be a positive int, found {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigError(f"rank must be an int from 0 to {world_size - 1} (world_size - 1), found {rank!r}")
-    if indices.dim() != 1:
-        raise ConfigError(f"indices must be 1-d (one global batch), found shape {tuple(indices.shape)}")
-    n = indices.size(0)
-    if n >= world_size:
-        sizes = split_sizes(n, world_size)
-        start = sum(sizes[:rank])
-        return indices[start : start + sizes[rank]]
-    # split_sizes leaves idle devices out; ranks cannot be left out, so ranks n.. get empty slices
-    return indices[rank : rank + 1] if rank < n else indices[n:]

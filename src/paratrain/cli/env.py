@@ -1,7 +1,9 @@
-"""What a user pastes into a bug report: versions, accelerators, distributed backends."""
+"""``paratrain env``: what a user pastes into a bug report: versions, accelerators, distributed backends."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
@@ -10,9 +12,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .version import __version__
+from ..version import __version__
 
-__all__ = ["Accelerator", "EnvReport", "collect"]
+__all__ = ["Accelerator", "EnvReport", "add_env_parser", "collect"]
+
+
+def add_env_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    env = commands.add_parser("env", help="versions, GPUs and distributed backends, for bug reports")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
+    env.set_defaults(handler=_env)
+
+
+def _env(args: argparse.Namespace) -> int:
+    report = collect()
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.render())
+    return 0
 
 
 @dataclass(frozen=True)

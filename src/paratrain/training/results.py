@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["TrainResult", "fingerprint", "write_metrics"]
 

@@ -1,13 +1,13 @@
 """The datasets of ``paratrain train``, each split held whole as tensors.
 
 Every image dataset is normalised like torchvision's ``ToTensor()`` + ``Normalize((0.5,), (0.5,))``: pixels in
-[0, 1], then ``(x - 0.5) / 0.5``, so values lie in [-1, 1] and the seed's SimpleNet (784 inputs) runs unchanged::
+[0, 1], then ``(x - 0.5) / 0.5``, so values lie in [-1, 1] and the tutorial's SimpleNet (784 inputs) runs unchanged::
 
     splits = load_dataset("digits")              # offline: 1,797 8x8 digits, shipped with paratrain, as 28x28
     splits.train.inputs.shape                    # (1437, 1, 28, 28)
     splits = load_dataset("digits60k")           # 60,000 shifted, noisy copies of the digits train split
     splits = load_dataset("mnist", "data/mnist") # the IDX files there, downloaded into it when missing
-    splits = load_dataset("random")              # the first seed's 100 random vectors of 5 features
+    splits = load_dataset("random")              # the DataParallel demo's 100 random vectors of 5 features
     train = splits.train.to("cuda")
 
 The ``digits`` and ``digits60k`` results are cached in-process and shared between callers: treat their tensors as
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 
 __all__ = ["DATASET_NAMES", "DatasetSplits", "TensorData", "default_cache_dir", "load_dataset"]
 
@@ -154,7 +154,7 @@ def _digits() -> DatasetSplits:
 
 def _read_digits_asset() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's 8x8 digits from the package data, upsampled to (1797, 1, 28, 28) and normalised."""
-    asset = resources.files("paratrain").joinpath("_assets/digits.csv.gz")
+    asset = resources.files("paratrain.training").joinpath("_assets/digits.csv.gz")
     try:
         table = np.loadtxt(io.BytesIO(gzip.decompress(asset.read_bytes())), delimiter=",", dtype=np.int64, ndmin=2)
     except (OSError, ValueError, EOFError, zlib.error) as e:
@@ -208,7 +208,7 @@ def _augment(base: TensorData, size: int, *, max_shift: int, noise_std: float, s
 
 
 def _random() -> DatasetSplits:
-    # the first seed's RandomDataset(5, 100): inputs drawn first, so the train inputs equal the demo's data
+    # the DataParallel demo's RandomDataset(5, 100): inputs drawn first, so the train inputs equal the demo's data
     generator = torch.Generator().manual_seed(0)
     splits = []
     for _ in ("train", "test"):

@@ -1,0 +1,60 @@
+"""The ``paratrain`` command: argument parsing only; every command calls the library.
+
+paratrain train                           # the MNIST DataParallel tutorial's job (see `paratrain train --help`)
+paratrain launch --nproc-per-node 2 x.py  # any script, through torchrun
+paratrain env                             # versions, GPUs, distributed backends
+paratrain demo --devices cpu,cpu,cpu      # the DataParallel tutorial's demo: how each batch is split
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ..errors import ConfigError, ParatrainError
+from ..version import __version__
+from .demo import add_demo_parser
+from .env import add_env_parser
+from .launch import add_launch_parser
+from .train import add_train_parser
+
+__all__ = ["EXIT_RUNTIME", "EXIT_USAGE", "build_parser", "main"]
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paratrain", description="Take a PyTorch training loop from one device to many."
+    )
+    parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    add_train_parser(commands)
+    add_launch_parser(commands)
+    add_env_parser(commands)
+    add_demo_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 runtime error, 2 usage error)."""
+    parser = build_parser()
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw)
+    # what followed the subcommand, so `train --strategy ddp` can start its workers with the same arguments
+    args.argv = raw[raw.index(args.command) + 1 :] if args.command in raw else []
+    try:
+        code: int = args.handler(args)
+        return code
+    except ConfigError as exc:
+        print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ParatrainError as exc:
+        print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except KeyboardInterrupt:
+        print(f"paratrain {args.command}: interrupted", file=sys.stderr)
+        return 130

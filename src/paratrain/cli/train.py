@@ -1,0 +1,63 @@
+"""``paratrain train``: the training job's flags (generated from TrainConfig) and its start.
+
+paratrain train                                   # the MNIST DataParallel tutorial's job, on one device
+paratrain train --devices cpu,cpu,cpu             # DataParallel over three CPU replicas: the same result
+paratrain train --strategy ddp --nproc-per-node 2 # two processes: this one becomes their launcher
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from ..errors import ConfigError
+from ..launch import LaunchConfig, launch
+from ..strategies import launched_by_torchrun, resolve_strategy
+from .launch import add_launcher_options, launch_config, report_exit
+from .options import add_options, flag_of, from_args
+
+__all__ = ["add_train_parser"]
+
+
+def add_train_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from ..training.config import TrainConfig
+
+    tr = commands.add_parser(
+        "train",
+        help="train a model (default: the MNIST DataParallel tutorial's SimpleNet job) on one device or many",
+        description="Train a model on one device, several devices in one process, or one process per device. "
+        "The defaults are the classic MNIST DataParallel tutorial's job: SimpleNet, batch 64, SGD with learning "
+        "rate 0.01, 5 epochs (on the offline digits data). --batch-size is the global batch under every strategy.",
+    )
+    add_options(tr, TrainConfig)
+    add_launcher_options(tr)
+    tr.set_defaults(handler=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ..training.config import TrainConfig
+    from ..training.job import train  # the training stack is only imported when needed
+
+    config = from_args(TrainConfig, args)
+    config.validate()  # here, before any worker process starts
+    launcher = launch_config(args)
+    strategy = resolve_strategy(config.strategy, config.devices)
+    if strategy != "ddp":
+        given = _launcher_flags_given(launcher)
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} start processes for strategy ddp, but strategy {config.strategy!r} resolves to "
+                f"{strategy!r}, which runs in this one process; add --strategy ddp, or drop {', '.join(given)}"
+            )
+    elif not launched_by_torchrun():
+        launcher.validate()
+        # this process becomes the launcher; every worker runs this same command under torchrun
+        code = launch(launcher, "paratrain", ["train", *args.argv], module=True)
+        return report_exit(code, "train")
+    train(config)
+    return 0
+
+
+def _launcher_flags_given(launcher: LaunchConfig) -> list[str]:
+    defaults = LaunchConfig()
+    return [flag_of(f.name) for f in fields(defaults) if getattr(launcher, f.name) != getattr(defaults, f.name)]

@@ -1,0 +1,116 @@
+"""What each rank runs in the multi-process tests of ``Parallel``; every function returns JSON-able findings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain
+from ddp_scenarios import max_diff, mlp
+
+SAMPLES = 23  # batches of 5 split 2, 2, 1 over three ranks; the last batch of 3 splits 1, 1, 1
+
+
+def _data(seed: int = 4) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(SAMPLES, 6, generator=g), torch.randint(0, 4, (SAMPLES,), generator=g))
+
+
+def _global_batches(par: paratrain.Parallel, loader: Any) -> list[list[int]]:
+    """The sample ids of every global batch, put back together from each rank's share."""
+    return [par.gather(ids).tolist() for (ids,) in loader]
+
+
+def gather_pads_and_trims(rank: int, world: int) -> dict[str, Any]:
+    """Parts of unequal length, empty parts, 2-d parts and 0-dim tensors, gathered in rank order."""
+    par = paratrain.Parallel("ddp", "cpu")
+    ragged = par.gather(torch.arange(rank + 1, dtype=torch.float64) + 10 * rank)  # 1, 2, 3 entries
+    empty_on_last = par.gather(torch.full((0 if rank == world - 1 else 2, 3), rank, dtype=torch.int64))
+    scalar = par.gather(torch.tensor(float(rank)))
+    all_empty = par.gather(torch.zeros(0, 2))
+    return {
+        "ragged": ragged.tolist(),
+        "ragged_dtype": str(ragged.dtype),
+        "empty_on_last": empty_on_last.tolist(),
+        "scalar": scalar.tolist(),
+        "all_empty_shape": list(all_empty.shape),
+    }
+
+
+def user_shuffle_order(rank: int, world: int) -> dict[str, Any]:
+    """A user's DataLoader under ddp: the same global batches, in the same order, as in one process."""
+    par = paratrain.Parallel("ddp", "cpu")
+    ids = TensorDataset(torch.arange(SAMPLES))
+    found: dict[str, Any] = {}
+
+    # with the user's own generator: no process may re-seed it
+    user_generator = torch.Generator().manual_seed(7)
+    loader = DataLoader(ids, batch_size=5, shuffle=True, generator=user_generator)
+    sampler = loader.sampler
+    one_process = [
+        b.tolist() for (b,) in DataLoader(ids, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(7))
+    ]
+    found["generator_batches"] = _global_batches(par, par.prepare(loader)) == one_process
+    found["generator_kept"] = loader.sampler is sampler and sampler.generator is user_generator
+
+    # without a generator: the order comes from the global RNG, which has drifted apart across ranks
+    torch.manual_seed(11)
+    torch.rand(rank)  # rank r draws r numbers more than rank 0
+    state = torch.get_rng_state()
+    plain = DataLoader(ids, batch_size=5, shuffle=True)
+    prepared = par.prepare(plain)
+    epochs = [_global_batches(par, prepared) for _ in range(2)]
+    after = torch.get_rng_state()
+    torch.set_rng_state(state)  # one process with rank 0's generator state sees these batches
+    expected = [[b.tolist() for (b,) in plain] for _ in range(2)] if rank == 0 else None
+    # rank 0's generator advanced exactly as one process's would
+    found["rng_like_one_process"] = rank != 0 or torch.equal(after, torch.get_rng_state())
+    found["plain_batches"] = epochs
+    found["plain_expected"] = expected
+    found["plain_generator_left_alone"] = plain.sampler.generator is None
+    par.close()
+    return found
+
+
+def eval_loader_between_forward_and_backward(rank: int, world: int) -> dict[str, Any]:
+    """A train and an eval loader interleaved: each backward is weighted by its own batch's share."""
+    data, held_out = _data(4), _data(5)
+    reference = mlp()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in DataLoader(data, batch_size=5):
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+
+    par = paratrain.Parallel("ddp", "cpu")
+    model, train_loader, eval_loader = par.prepare(
+        mlp(), DataLoader(data, batch_size=5), DataLoader(held_out, batch_size=7)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(train_loader):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        # mid-step evaluation: its batches (7 samples: shares 3, 2, 2) must not change this step's weight
+        if step % 2 == 0:
+            with torch.no_grad():
+                for ex, _ in eval_loader:
+                    model(ex)
+        else:
+            for _batch in eval_loader:  # just iterated, with autograd on
+                pass
+        par.backward(loss)
+        opt.step()
+    found = {"vs_single": max_diff(par.unwrap(model), reference)}
+    par.close()
+    return found
+
+
+def train_job(rank: int, world: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """``paratrain train``'s job under ddp in this process group."""
+    from paratrain.training import TrainConfig, train
+
+    result = train(TrainConfig(strategy="ddp", devices="cpu", quiet=True, **settings))
+    return {"epoch_losses": result.epoch_losses, "test_accuracy": result.test_accuracy}
