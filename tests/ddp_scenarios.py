@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any
 
@@ -292,3 +293,40 @@ def parallel_with_tiny_batches(rank: int, world: int) -> dict[str, Any]:
         par.backward(F.cross_entropy(model(x), y))
         opt.step()
     return {"local": local, "vs_single": max_diff(par.unwrap(model), reference)}
+
+
+def peer_exits(rank: int, world: int) -> str:
+    """The last rank's process ends mid-run: the others fail naming it, not just "Connection closed by peer"."""
+    ddp = DDP(mlp(), timeout=30)
+    x, y = batches(1)[0]
+    F.cross_entropy(ddp(x), y).backward()  # one good step: every pair of ranks is connected
+    if rank == world - 1:
+        os._exit(3)
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+    except DistributedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def watchdog_ends_a_hang(rank: int, world: int) -> float:
+    """Rank 0 waits the way it does on GPUs (the host never blocks on a timeout; the watchdog follows the
+    collective); rank 1 stalls. Rank 0's watchdog must name rank 1 and end rank 0's process."""
+    ddp = DDP(mlp(), timeout=2.0)
+    x, y = batches(1)[0]
+    F.cross_entropy(ddp(x), y).backward()
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        ddp.monitor.host_waits = False
+        store.set("watchdog/pid", str(os.getpid()))
+        F.cross_entropy(ddp(x), y).backward()  # never returns: rank 1 does not take part
+        return -1.0
+    pid = int(store.get("watchdog/pid"))
+    start = time.monotonic()
+    while time.monotonic() - start < 30:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return float("inf")

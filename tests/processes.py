@@ -82,8 +82,13 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable[..., Any], out_
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any, timeout: float = 120) -> list[Any]:
-    """fn(rank, world_size, *args) in every rank; returns each rank's JSON-able value, or raises its error."""
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any, timeout: float = 120, exits: int | None = None
+) -> list[Any]:
+    """fn(rank, world_size, *args) in every rank; returns each rank's JSON-able value, or raises its error.
+
+    ``exits``: a rank whose process is meant to end without a result (its entry is then None).
+    """
     out_dir = Path(tempfile.mkdtemp(prefix=f"ranks-{fn.__name__}-{world_size}-", dir=tmp_path))
     ctx = mp.start_processes(
         _worker,
@@ -93,18 +98,56 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
         start_method="spawn",
     )
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+    # not ctx.join(): it stops every rank as soon as one exits with an error
+    while any(proc.is_alive() for proc in ctx.processes):
         if time.monotonic() > deadline:
             for proc in ctx.processes:
                 proc.kill()
             raise AssertionError(f"{fn.__name__} on {world_size} ranks did not finish within {timeout}s")
+        time.sleep(0.05)
     results = []
     for rank in range(world_size):
         path = out_dir / f"rank{rank}.json"
+        if rank == exits:
+            results.append(None)
+            continue
         if not path.exists():
-            raise AssertionError(f"rank {rank} wrote no result")
+            code = ctx.processes[rank].exitcode
+            raise AssertionError(f"rank {rank} wrote no result (exit code {code})")
         results.append(json.loads(path.read_text()))
-    failed = [r for r in results if not r["ok"]]
+    failed = [r for r in results if r is not None and not r["ok"]]
     if failed:
         raise AssertionError("\n\n".join(r["traceback"] for r in failed))
-    return [r["value"] for r in results]
+    return [None if r is None else r["value"] for r in results]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # the command name may hold spaces and parentheses: the fields after its last ")" are safe
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def worker_with_rank(launcher: int, rank: int) -> int | None:
+    """The process below ``launcher`` whose environment says ``RANK=rank`` (a torchrun worker), if any."""
+    for pid in descendants(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and any(e.startswith(b"LOCAL_RANK=") for e in environ):
+            return pid
+    return None

@@ -12,10 +12,12 @@ from ddp_scenarios import (
     join_uneven,
     no_sync_accumulates,
     parallel_with_tiny_batches,
+    peer_exits,
     process_group_required,
     skipped_collective,
     startup_mismatch,
     unused_parameters,
+    watchdog_ends_a_hang,
 )
 from processes import run_ranks
 
@@ -128,3 +130,18 @@ def test_a_rank_that_skips_a_collective_is_named(tmp_path):
 
 def test_without_a_process_group_the_error_says_how_to_start():
     assert "init_process_group" in process_group_required()
+
+
+def test_a_rank_whose_peer_exited_names_it(tmp_path):
+    results = run_ranks(peer_exits, 3, tmp_path, timeout=90, exits=2)
+    for message in results[:2]:
+        assert "failed: rank(s) 2 stopped responding" in message, message
+
+
+def test_the_watchdog_names_the_missing_rank_and_ends_the_process(tmp_path, capfd):
+    """The GPU way of waiting, forced on gloo: nothing raises in the training thread, the watchdog ends the hang."""
+    results = run_ranks(watchdog_ends_a_hang, 2, tmp_path, timeout=90, exits=0)
+    assert results[1] < 12, f"rank 0 lived {results[1]:.1f}s after the stall began"
+    err = capfd.readouterr().err
+    assert "paratrain: rank 0: gradient all-reduce of bucket 0" in err
+    assert "did not complete within 2s: rank(s) 1 did not arrive" in err

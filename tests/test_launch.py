@@ -97,14 +97,15 @@ def _check_world(reports: list[dict[str, Any]], nnodes: int, nproc_per_node: int
             LaunchConfig(nproc_per_node=4, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="job42", rdzv_timeout=30),
             False,
             "--nnodes=2 --nproc-per-node=4 {common} --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 "
-            "--rdzv-id=job42 --rdzv-conf=join_timeout=30",
+            "--rdzv-id=job42 --rdzv-conf=join_timeout=30,read_timeout=30",
             id="c10d-two-nodes",
         ),
         pytest.param(
             LaunchConfig(nproc_per_node=1, nnodes="1:4", rdzv_endpoint="localhost:29400", max_restarts=3),
             False,
             "--nnodes=1:4 --nproc-per-node=1 --max-restarts=3 --monitor-interval=0.1 --rdzv-backend=c10d "
-            "--rdzv-endpoint=localhost:29400 --local-addr=127.0.0.1",
+            "--rdzv-endpoint=localhost:29400 --rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3,"
+            "last_call_timeout=3 --local-addr=127.0.0.1",
             id="c10d-elastic-loopback",
         ),
         pytest.param(

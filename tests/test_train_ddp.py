@@ -124,3 +124,45 @@ def test_ddp_outside_a_launcher_says_how_to_start():
 
     with pytest.raises(ConfigError, match="paratrain launch --nproc-per-node N"):
         train(TrainConfig(strategy="ddp", quiet=True))
+
+
+# --- resuming on another number of devices, or under another strategy ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ddp2_checkpoints(tmp_path_factory):
+    """Checkpoints written by ddp with 2 processes: at steps 7, 14, 21, the end of epoch 0, 28 (mid-epoch 1)."""
+    directory = tmp_path_factory.mktemp("ddp2-ckpt")
+    flags = ("--checkpoint-dir", str(directory), "--checkpoint-every", "7", "--keep-checkpoints", "20")
+    _finish(_train("--strategy", "ddp", "--nproc-per-node", "2", *flags, "--max-steps", "29"))
+    return directory
+
+
+@pytest.mark.parametrize("where", ["epoch-0001-step-000000.pt", "epoch-0001-step-000005.pt"], ids=["boundary", "mid"])
+@pytest.mark.parametrize("strategy, devices", [("single", "cpu"), ("dp", "cpu,cpu,cpu"), ("ddp", "3")])
+def test_a_ddp_checkpoint_resumes_on_any_number_of_devices(
+    single, ddp2_checkpoints, tmp_path, where, strategy, devices
+):
+    """Written by 2 processes; resumed on 1 device, 3 CPU replicas or 3 processes: the model of a run never stopped."""
+    path, after = ddp2_checkpoints / where, tmp_path / "after"
+    if strategy == "ddp":
+        out = tmp_path / "m.json"
+        resume = ("--resume", str(path), "--checkpoint-dir", str(after), "--metrics-out", str(out))
+        _finish(_train("--strategy", "ddp", "--nproc-per-node", devices, *resume))
+        metrics = _metrics(out)
+    else:
+        config = TrainConfig(
+            epochs=int(EPOCHS),
+            quiet=True,
+            strategy=strategy,
+            devices=devices,
+            resume=str(path),
+            checkpoint_dir=str(after),
+        )
+        metrics = train(config).as_dict()
+    assert metrics["resumed_from"] == str(path)
+    reference, params = single
+    assert metrics["test_accuracy"] == reference.test_accuracy
+    mine = load_checkpoint(latest_checkpoint(after))["model"]
+    for key in params:
+        torch.testing.assert_close(mine[key], params[key], atol=3e-8, rtol=0)

@@ -147,9 +147,17 @@ def save_checkpoint(state: Mapping[str, Any], directory: str | Path, name: str) 
         os.replace(temporary, final)
         _fsync_directory(directory)
     except Exception as err:
+        # torch's zip writer reports a failed write as "enforce fail at inline_container.cc", with the operating
+        # system's reason (disk full, file too large) only in the exception it replaced
+        reason = _os_error_in(err)
+        why = (
+            f"{reason.strerror or reason} (errno {reason.errno})"
+            if reason
+            else f"{type(err).__name__}: {_first_line(err)}"
+        )
         raise CheckpointError(
-            f"could not write checkpoint {final}: {type(err).__name__}: {_first_line(err)}. "
-            f"Any previous {name} is intact. Check free space and permissions in {directory}."
+            f"could not write checkpoint {final}: {why}. Nothing was left half-written, and the checkpoints "
+            f"already in {directory} are intact. Check free space, file-size limits and permissions there."
         ) from err
     finally:
         # A no-op after a successful rename; after a failure (or Ctrl-C) it removes the partial file.
@@ -324,6 +332,18 @@ def _fsync_directory(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _os_error_in(err: BaseException) -> OSError | None:
+    """The OSError behind ``err``: itself, or one it was raised from or while handling."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _describe_os_error(err: OSError) -> str:

@@ -1,41 +1,67 @@
-"""Collectives that time out with the names of the ranks that did not arrive.
+"""Collectives that time out, or fail, with the names of the ranks responsible.
 
 A collective that one rank never joins blocks the others until the backend's timeout (30 minutes by default),
-and then says nothing about who was missing. Here every rank publishes how many collectives it has launched
-to the process group's key-value store, from a background thread so the training step never waits on it.
-When a wait times out, the ranks whose count is behind are the ones that did not arrive, and the error names
-them.
+and then says nothing about who was missing; one whose peer died fails with "Connection closed by peer
+[127.0.0.1]:35733", which names no rank either. Here every collective is numbered, every rank publishes its
+count and a heartbeat on the progress board (:mod:`paratrain.board`), and errors name the ranks that did not
+arrive or went silent.
 
     monitor = CollectiveMonitor(group, timeout=60.0, namespace="ddp0")   # the same namespace on every rank
     seq = monitor.launched()
     work = dist.all_reduce(t, async_op=True)
     monitor.wait(work, seq, "gradient all-reduce of bucket 0")
+
+How a wait is watched depends on where the collective runs:
+
+- on the CPU (gloo) the host needs the result anyway, so it waits with the backend's own timeout and raises a
+  :class:`DistributedError` the caller can catch;
+- on GPUs (nccl) waiting on the host would serialise it with the GPU every step, so ``wait`` only orders the
+  current stream after the collective and returns, and the board's thread checks the pending collectives once a
+  heartbeat. One that is overdue is reported (named ranks) on stderr and the process ends with exit code 1, as
+  torch's own NCCL watchdog does: the host thread may be stuck inside CUDA and could not raise.
+
+After a collective timed out, this process's group holds a collective that will never complete: tearing the
+group down would wait for it (gloo waits its own timeout). :func:`wedged` says so, teardown skips the group,
+and ``paratrain train`` ends the process at once with exit code 1.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from .board import Board
 from .errors import DistributedError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor", "to_seconds", "wait_work"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor", "to_seconds", "wait_work", "wedged"]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the other ranks, everywhere in paratrain
-_PUBLISH_INTERVAL_S = 0.2
+EXIT_COLLECTIVE_FAILED = 1
+
+_wedged: list[str] = []  # this process's collective failures: its process group cannot be torn down cleanly
+
+
+def wedged() -> str | None:
+    """Why this process's process group holds a collective that will not complete, or None if it does not."""
+    return _wedged[0] if _wedged else None
 
 
 def to_seconds(timeout: float | timedelta | None) -> float | None:
-    """A timeout as seconds (``None``: wait forever); rejects zero and negative values."""
+    """A timeout as seconds (``None``: wait forever); rejects zero, negative and non-finite values."""
     if timeout is None:
         return None
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not seconds > 0:
-        raise DistributedError(f"timeout must be positive seconds or a timedelta; found {timeout!r}")
+    if not 0 < seconds < float("inf"):
+        raise DistributedError(
+            f"timeout must be a positive, finite number of seconds or a timedelta; found {timeout!r}"
+        )
     return seconds
 
 
@@ -57,89 +83,45 @@ def _default_store() -> Any:
         return None
 
 
-class _Board:
-    """Publishes this rank's launch count to the store from a daemon thread; reads everyone's on demand.
+@dataclass
+class _Pending:
+    """A collective the watchdog follows: the host did not wait for it."""
 
-    Keys carry global ranks, so boards of wrappers over different process groups never share a key.
-    """
-
-    def __init__(self, store: Any, namespace: str, rank: int, global_ranks: list[int]) -> None:
-        self._store = store
-        self._prefix = f"paratrain/{namespace}"
-        self._rank = rank
-        self._global_ranks = global_ranks
-        self._latest = 0
-        self._stopped = False
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._publish, name=f"paratrain-{namespace}-board", daemon=True)
-        self._thread.start()
-
-    def post(self, seq: int) -> None:
-        self._latest = seq
-        self._wake.set()
-
-    def close(self) -> None:
-        """Stop publishing (before the process group and its store go away)."""
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=5)
-
-    def _publish(self) -> None:
-        written = -1
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stopped:
-                return
-            latest = self._latest
-            if latest != written:
-                try:
-                    self._store.set(f"{self._prefix}/{self._global_ranks[self._rank]}", str(latest))
-                except Exception:  # the store went away (shutdown): nothing left to report to
-                    return
-                written = latest
-            # at most a few writes a second: timeouts are seconds long, and the step must not pay for this
-            time.sleep(_PUBLISH_INTERVAL_S)
-
-    def behind(self, seq: int) -> tuple[list[int], list[int]]:
-        """Global ranks whose published count is below ``seq`` (they never launched collective ``seq``), and
-        those whose count could not be read (the store went away)."""
-        missing, unknown = [], []
-        for group_rank, rank in enumerate(self._global_ranks):
-            if group_rank == self._rank:
-                continue
-            key = f"{self._prefix}/{rank}"
-            try:
-                count = int(self._store.get(key)) if self._store.check([key]) else 0
-            except Exception:
-                unknown.append(rank)
-                continue
-            if count < seq:
-                missing.append(rank)
-        return missing, unknown
+    work: Any
+    seq: int
+    what: str
+    deadline: float
 
 
 class CollectiveMonitor:
-    """Numbers a wrapper's collectives and waits for them with a timeout that names missing ranks.
+    """Numbers a wrapper's collectives and waits for them with a timeout that names the ranks responsible.
 
     Every rank must launch the same collectives in the same order (they do: the callers are deterministic),
     so the n-th launch on one rank is the n-th on every other. ``namespace`` must be the same on every rank of
     ``group`` and differ from that of any other live monitor on this rank (DistributedDataParallel agrees on
     one at start-up). Ranks in errors are global ranks (torchrun's RANK).
+
+    ``host_waits`` chooses how waits are watched (see the module docstring): None picks by backend (the host
+    waits on gloo, the watchdog follows nccl); tests force the watchdog on gloo with False.
     """
 
-    def __init__(self, group: Any, timeout: float | timedelta | None, namespace: str) -> None:
+    def __init__(
+        self, group: Any, timeout: float | timedelta | None, namespace: str, *, host_waits: bool | None = None
+    ) -> None:
         self.timeout = to_seconds(timeout)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
+        self.host_waits = dist.get_backend(group) != "nccl" if host_waits is None else host_waits
         self._seq = 0
+        self._pending: list[_Pending] = []
+        self._lock = threading.Lock()
         store = _default_store() if self.timeout is not None else None
         global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
-        self._board = _Board(store, namespace, self.rank, global_ranks) if store is not None else None
+        self._board = Board(store, namespace, self.rank, global_ranks, self._watch) if store is not None else None
 
     def close(self) -> None:
-        """Stop the background publisher; call before destroying the process group."""
+        """Stop the background thread; call before destroying the process group."""
         if self._board is not None:
             self._board.close()
             self._board = None
@@ -152,42 +134,86 @@ class CollectiveMonitor:
         return self._seq
 
     def wait(self, handle: Any, seq: int, what: str) -> Any:
-        """Wait for a ``Work`` (from ``async_op=True``) or a future; DistributedError after the timeout.
+        """Wait for a ``Work`` (from ``async_op=True``) or a future; DistributedError when it fails or times out.
 
-        A ``Work`` is waited on directly with the backend's own timeout (no Python runs on the backend's
-        threads); a future (from a communication hook) through a completion callback. Returns the future's
-        value, or None for a ``Work``.
+        A ``Work`` on the host's side is waited on with the backend's own timeout (no Python runs on the
+        backend's threads); on the device's side it is handed to the watchdog. A future (from a communication
+        hook) is waited on through a completion callback. Returns the future's value, or None for a ``Work``.
         """
         if not isinstance(handle, dist.Work):  # a future (torch._C.Future, not always torch.futures.Future)
             if self.timeout is not None and not handle.done():
                 done = threading.Event()
                 handle.add_done_callback(lambda _: done.set())
                 if not done.wait(self.timeout):
-                    raise self.timeout_error(seq, what)
+                    raise self._failed(self.timeout_error(seq, what))
             return handle.wait()
+        if not self.host_waits and self.timeout is not None and self._board is not None:
+            with self._lock:
+                self._pending.append(_Pending(handle, seq, what, time.monotonic() + self.timeout))
+            handle.wait()  # nccl: the current stream waits for the collective; the host goes on
+            return None
         try:
             finished = wait_work(handle, self.timeout)
         except RuntimeError as exc:
-            raise DistributedError(f"rank {self.global_rank}: {what} (collective #{seq}) failed: {exc}") from exc
+            raise self._failed(self.failure_error(seq, what, exc)) from exc
         if not finished:
-            raise self.timeout_error(seq, what)
+            raise self._failed(self.timeout_error(seq, what))
         return None
 
+    def _failed(self, error: DistributedError) -> DistributedError:
+        _wedged.append(str(error))
+        return error
+
+    def _watch(self) -> None:
+        """At every heartbeat, on the board's thread: drop finished collectives, end the process for an overdue one."""
+        with self._lock:
+            self._pending = [p for p in self._pending if not p.work.is_completed()]
+            overdue = next((p for p in self._pending if time.monotonic() > p.deadline), None)
+        if overdue is None:
+            return
+        error = self._failed(self.timeout_error(overdue.seq, overdue.what))
+        print(f"paratrain: {error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_COLLECTIVE_FAILED)  # the host thread may be blocked in CUDA: only leaving ends the hang
+
     def timeout_error(self, seq: int, what: str) -> DistributedError:
+        """The error for collective ``seq`` not completing in time, naming the ranks that did not arrive."""
         if self._board is None:
             who = "the process group has no store to tell which ranks are missing"
         else:
             missing, unknown = self._board.behind(seq)
+            silent, _ = self._board.silent()
             if missing:
-                who = f"rank(s) {', '.join(map(str, missing))} did not arrive"
+                who = f"rank(s) {_ranks(missing)} did not arrive"
+                quiet = [r for r in missing if r in silent]
+                if quiet:
+                    who += f"; rank(s) {_ranks(quiet)} show no sign of life (stopped, hung in native code, or dead)"
+            elif silent:
+                who = f"every rank launched it, and rank(s) {_ranks(silent)} show no sign of life since"
             elif not unknown:
                 who = "every rank launched it, so one of them is stuck inside it (or the network is)"
             else:
                 who = "the store is unreachable"
             if unknown:
-                who += f" (rank(s) {', '.join(map(str, unknown))} could not be asked: the store is unreachable)"
+                who += f" (rank(s) {_ranks(unknown)} could not be asked: the store is unreachable)"
         return DistributedError(
             f"rank {self.global_rank}: {what} (collective #{seq}) did not complete within {self.timeout:g}s: {who}. "
             f"Check those processes (stuck, crashed, or skipping a forward/backward the others ran); use "
             f"join() for uneven inputs; raise the limit with timeout=... (paratrain train --timeout)"
         )
+
+    def failure_error(self, seq: int, what: str, exc: BaseException) -> DistributedError:
+        """The error for collective ``seq`` failing (a peer closed its connection, say), naming silent ranks."""
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        who = ""
+        if self._board is not None:
+            silent, unknown = self._board.silent()
+            if silent:
+                who = f": rank(s) {_ranks(silent)} stopped responding (their process probably exited; see its error)"
+            elif unknown:
+                who = ": the store is unreachable, so its host (the launcher, or rank 0) is probably gone"
+        return DistributedError(f"rank {self.global_rank}: {what} (collective #{seq}) failed{who} ({reason})")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))

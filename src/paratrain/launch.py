@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from .errors import ConfigError, DistributedError
 from .supervise import supervise
 
-__all__ = ["LaunchConfig", "launch", "local_world_size", "torchrun_args"]
+__all__ = ["LaunchConfig", "launch", "local_world_size", "restart_count", "torchrun_args"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,14 @@ class LaunchConfig:
     monitor_interval: float = field(
         default=0.1, metadata={"help": "seconds between torchrun's checks of its workers", "metavar": "SECONDS"}
     )
+    shutdown_timeout: int = field(
+        default=5,
+        metadata={
+            "help": "seconds torchrun gives the other workers to exit after one fails (or the job is interrupted) "
+            "before SIGKILL; torchrun's own default is 30, and a stopped or hung worker only goes with SIGKILL",
+            "metavar": "SECONDS",
+        },
+    )
 
     def node_range(self) -> tuple[int, int]:
         """The minimum and maximum number of nodes, from ``nnodes``."""
@@ -167,6 +176,14 @@ class LaunchConfig:
         if not self.monitor_interval > 0:
             raise ConfigError(
                 f"monitor_interval: expected a positive number of seconds, found {self.monitor_interval!r}"
+            )
+        if (
+            isinstance(self.shutdown_timeout, bool)
+            or not isinstance(self.shutdown_timeout, int)
+            or self.shutdown_timeout < 1
+        ):
+            raise ConfigError(
+                f"shutdown_timeout: expected a positive whole number of seconds, found {self.shutdown_timeout!r}"
             )
         if self.rdzv_timeout is not None and (not isinstance(self.rdzv_timeout, int) or self.rdzv_timeout < 1):
             raise ConfigError(f"rdzv_timeout: expected a positive whole number of seconds, found {self.rdzv_timeout!r}")
@@ -307,13 +324,43 @@ def torchrun_args(
     if timeout_key is not None:
         if config.rdzv_id is not None:
             args.append(f"--rdzv-id={config.rdzv_id}")
-        if config.rdzv_timeout is not None:
-            args.append(f"--rdzv-conf={timeout_key}={config.rdzv_timeout}")
+        conf = _rendezvous_conf(config, timeout_key)
+        if conf:
+            args.append(f"--rdzv-conf={','.join(conf)}")
     if local_addr is not None:
         args.append(f"--local-addr={local_addr}")
     if module:
         args.append("--module")
     return [*args, script, *script_args]
+
+
+def _rendezvous_conf(config: LaunchConfig, timeout_key: str) -> list[str]:
+    """torchrun's ``--rdzv-conf`` entries: the join timeout, and quick failure detection for elastic jobs."""
+    conf = []
+    if config.rdzv_timeout is not None:
+        conf.append(f"{timeout_key}={config.rdzv_timeout}")
+        if timeout_key == "join_timeout":  # c10d: also bounds reaching an endpoint that no one answers
+            conf.append(f"read_timeout={config.rdzv_timeout}")
+    low, high = config.node_range()
+    if low != high:
+        # a node that vanishes is dropped after 3 missed 1 s keep-alives instead of 3 missed 5 s ones, and a round
+        # closes 3 s (not 30 s) after enough nodes have joined: the survivors resume within seconds
+        conf += ["keep_alive_interval=1", "keep_alive_max_attempt=3", "last_call_timeout=3"]
+    return conf
+
+
+def _wrapper_args(config: LaunchConfig) -> list[str]:
+    """The options of paratrain._torchrun (see there): one grace, a fresh store per round, loopback for one node."""
+    args = [f"--grace={config.shutdown_timeout}", "--fresh-store"]
+    if config.is_single_node:
+        args.append("--bind=127.0.0.1")  # nothing outside this machine needs to reach a job that runs on it
+    return args
+
+
+def restart_count() -> int:
+    """How often the launcher has restarted this worker's group (0: the first attempt, or no launcher)."""
+    text = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(text) if text.isdigit() else 0
 
 
 def _worker_env(config: LaunchConfig) -> dict[str, str]:
@@ -323,6 +370,8 @@ def _worker_env(config: LaunchConfig) -> dict[str, str]:
     the cores out instead keeps CPU training from running single-threaded on a machine with cores to spare.
     """
     env = dict(os.environ)
+    if config.is_single_node and "lo" in {name for _, name in socket.if_nameindex()}:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own connections: on loopback too, not the LAN address
     if "OMP_NUM_THREADS" not in env:
         cores = os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, local_world_size(config.nproc_per_node))))
@@ -366,7 +415,7 @@ def launch(
             f"expected a Python script to launch, found no file at {script!r}{where}; check the path, or pass "
             "-m/--module to run a module"
         )
-    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    command = [sys.executable, "-m", "paratrain._torchrun", *_wrapper_args(config), "--", *args]
     try:
         return supervise(command, env=_worker_env(config), timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -198,6 +198,10 @@ class Parallel:
         """Combine a metric across processes (the tensor itself in one process)."""
         return self.strategy.all_reduce(tensor, op)
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Process ``src``'s ``tensor`` in every process (the tensor itself in one process)."""
+        return self.strategy.broadcast(tensor, src)
+
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every process's ``tensor`` concatenated along dim 0 (the tensor itself in one process).
 

@@ -9,9 +9,11 @@ paratrain demo --devices cpu,cpu,cpu      # the DataParallel tutorial's demo: ho
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
+from ..collectives import wedged
 from ..errors import ConfigError, ParatrainError
 from ..version import __version__
 from .demo import add_demo_parser
@@ -54,6 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except ParatrainError as exc:
         print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
+        if wedged() is not None:
+            # a collective that will never complete: the interpreter's teardown would wait for it (gloo waits
+            # its own timeout), keeping the whole job alive; leave now, so the launcher stops the others
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_RUNTIME)
         return EXIT_RUNTIME
     except KeyboardInterrupt:
         print(f"paratrain {args.command}: interrupted", file=sys.stderr)

@@ -51,6 +51,12 @@ def _train(args: argparse.Namespace) -> int:
             )
     elif not launched_by_torchrun():
         launcher.validate()
+        if launcher.max_restarts and config.checkpoint_dir is None:
+            raise ConfigError(
+                f"--max-restarts {launcher.max_restarts} restarts the workers after a failure, and they continue "
+                f"from the latest checkpoint: add --checkpoint-dir DIR (and --checkpoint-every N for checkpoints "
+                f"within an epoch), or every restart would train again from step 0"
+            )
         # this process becomes the launcher; every worker runs this same command under torchrun
         code = launch(launcher, "paratrain", ["train", *args.argv], module=True)
         return report_exit(code, "train")

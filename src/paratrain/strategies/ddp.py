@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import DEFAULT_TIMEOUT_S
+from ..collectives import DEFAULT_TIMEOUT_S, wedged
 from ..distributed import DistributedDataParallel
 from ..errors import ConfigError
+from ..launch import restart_count
 from ..scatter_gather import shard
 from .base import ReduceOp, Strategy
 
@@ -44,6 +45,23 @@ def _import_dynamo_first() -> None:
     exception") after training finished. Imported first, the group is released as it should be.
     """
     import torch._dynamo  # noqa: F401
+
+
+def _init_process_group(backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` from torchrun's variables; after a restart, under a prefix of its own.
+
+    The launcher's store outlives the workers, and the dead workers' keys (gloo's addresses) are still in it: a
+    restarted worker reading them fails to connect or waits forever. Keys under a prefix per attempt are fresh.
+    """
+    restart = restart_count()
+    if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(address, port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+    store = dist.PrefixStore(f"paratrain/attempt-{restart}", client)  # type: ignore[attr-defined]
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 class DistributedStrategy(Strategy):
@@ -80,7 +98,7 @@ class DistributedStrategy(Strategy):
                 torch.cuda.set_device(self._device)
             backend = "nccl" if use_cuda else "gloo"
             _import_dynamo_first()
-            dist.init_process_group(backend, timeout=timedelta(seconds=max(self._timeout, 60.0)))
+            _init_process_group(backend, timedelta(seconds=max(self._timeout, 60.0)))
             self._owns_group = True
         elif dist.get_backend() == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
@@ -89,7 +107,9 @@ class DistributedStrategy(Strategy):
         for wrapped in self._wrapped:
             wrapped.close()
         self._wrapped.clear()
-        if self._owns_group and dist.is_initialized():
+        # a group holding a collective that will never complete cannot be destroyed: gloo would wait its own
+        # timeout for it; the process is about to end anyway
+        if self._owns_group and dist.is_initialized() and wedged() is None:
             if clean:
                 # rank 0 hosts the store: nobody leaves while another rank may still talk to it
                 dist.barrier()

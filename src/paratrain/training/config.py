@@ -66,7 +66,9 @@ class TrainConfig:
     progress_bar: bool | None = _setting(None, "show a progress bar (default: when stderr is a terminal)")
     width: int = _setting(1024, "hidden width of --model mlp")
     depth: int = _setting(2, "hidden layers of --model mlp")
-    max_steps: int | None = _setting(None, "stop after N optimizer steps in this run (smoke runs)", metavar="N")
+    max_steps: int | None = _setting(
+        None, "stop after N optimizer steps of this invocation, restarts included (smoke runs)", metavar="N"
+    )
     eval_batch_size: int = _setting(1024, "samples per batch when measuring test accuracy")
     timeout: float | None = _setting(
         None,

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from ..checkpoint import check_writable, checkpoint_name, latest_checkpoint, load_checkpoint, prune_checkpoints
 from ..errors import CheckpointError
+from ..launch import restart_count
 from ..parallel import Parallel, seed_everything
 from ..rng import rng_state, set_rng_state
 from ..state_dicts import check_compatible
@@ -30,6 +31,7 @@ from .datasets import TensorData, load_dataset
 from .loader import DeviceLoader
 from .models import build_model
 from .progress import Progress
+from .recovery import ProgressLog
 from .results import TrainResult, fingerprint, write_metrics
 
 __all__ = ["evaluate", "train"]
@@ -88,7 +90,8 @@ class _Run:
         self.checkpoints = Path(config.checkpoint_dir) if config.checkpoint_dir else None
         if self.checkpoints is not None and par.is_main:
             check_writable(self.checkpoints)
-        self.resume_path = _find_resume(config, self.checkpoints)
+        self.restart = restart_count()
+        self.resume_path = _find_resume(config, self.checkpoints, self.restart)
         self.splits = load_dataset(config.dataset, config.data_dir)
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
         model = build_model(
@@ -99,7 +102,14 @@ class _Run:
         self.pos = _Position()
         if self.resume_path is not None:
             self.pos = _restore(self.resume_path, config, model, optimizer)
-            self.say(f"Resuming from {self.resume_path} (epoch {self.pos.epoch}, batch {self.pos.batch})")
+            again = f" after restart {self.restart}" if self.restart else ""
+            self.say(f"Resuming{again} from {self.resume_path} (epoch {self.pos.epoch}, batch {self.pos.batch})")
+        self.recovery = ProgressLog(self.checkpoints, enabled=par.is_main, fresh=self.resume_path is None)
+        self.recovery.start(self.restart, self.pos.global_step)
+        # where this invocation started, as the main process (which keeps the record) knows it: every rank must
+        # stop at the same step
+        started = torch.tensor([self.recovery.run_started_at], dtype=torch.int64)
+        self.run_started_at = int(par.broadcast(started)[0])
         self.model, self.optimizer, self.loader = par.prepare(model, optimizer, loader)
         self.steps = self.samples = 0
         self.epoch_losses: list[float] = []
@@ -119,6 +129,7 @@ class _Run:
             if not self._epoch(epoch):
                 break
         loop_seconds = max(time.perf_counter() - loop_start, 1e-9)
+        self.recovery.finish(self.pos.global_step)
         result = self._result(loop_seconds)
         if self.par.is_main:
             if config.metrics_out:
@@ -150,10 +161,12 @@ class _Run:
             self.samples += global_batch
             self.steps += 1
             pos.global_step += 1
+            self.recovery.step(pos.global_step)
             self.progress.step(i, global_batch, loss)
             if i % config.log_every == 0:
                 self.say(f"Epoch {epoch}, Step {i}, Loss: {loss.item()}")
-            reached = config.max_steps is not None and self.steps >= config.max_steps
+            # counted from where this invocation started, so a restarted attempt stops where the first would have
+            reached = config.max_steps is not None and pos.global_step - self.run_started_at >= config.max_steps
             if i + 1 == len(loader):
                 break  # the end-of-epoch checkpoint below covers this point
             periodic = bool(config.checkpoint_every) and pos.global_step % config.checkpoint_every == 0
@@ -200,6 +213,10 @@ class _Run:
             steps=self.steps,
             samples=self.samples,
             resumed_from=str(self.resume_path) if self.resume_path is not None else None,
+            restarts=self.restart,
+            steps_redone=sum(r.steps_redone for r in self.recovery.recoveries),
+            recovery_seconds=sum(r.recovery_seconds for r in self.recovery.recoveries),
+            recoveries=[asdict(r) for r in self.recovery.recoveries],
             epoch_losses=self.epoch_losses,
         )
 
@@ -211,7 +228,14 @@ def _reduced_loss(par: Parallel, loss_sum: torch.Tensor, count: int) -> tuple[fl
     return float(both[0]), int(both[1])
 
 
-def _find_resume(config: TrainConfig, checkpoints: Path | None) -> Path | None:
+def _find_resume(config: TrainConfig, checkpoints: Path | None, restart: int) -> Path | None:
+    """The checkpoint to start from: the one asked for, or after a restart the latest one written."""
+    if restart and checkpoints is not None:
+        # the launcher restarted this worker after a failure: continue from the newest checkpoint, which may be
+        # newer than the one the first attempt resumed from
+        latest = latest_checkpoint(checkpoints)
+        if latest is not None:
+            return latest
     if config.resume is None:
         return None
     if config.resume not in RESUME_MODES:

@@ -56,6 +56,10 @@ class TrainResult:
     samples: int = 0
     resumed_from: str | None = None
     epoch_losses: list[float] = field(default_factory=list)
+    restarts: int = 0  # how often the launcher restarted the workers (each resumed from the latest checkpoint)
+    steps_redone: int = 0  # steps trained again because a failure lost them (summed over restarts)
+    recovery_seconds: float = 0.0  # from the last step before each failure to the first one after resuming
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # each restart's figures
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

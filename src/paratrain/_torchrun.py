@@ -1,0 +1,125 @@
+"""torchrun with three of its defects mended: ``python -m paratrain._torchrun [OPTIONS] -- TORCHRUN_ARGS``.
+
+``launch()`` runs this module instead of ``python -m torch.distributed.run``; everything after ``--`` is torchrun's
+own command line, unchanged. Each mend changes one of torchrun's internals (torch 2.13) and is skipped, leaving
+torchrun as it is, when those internals are not what it expects:
+
+``--grace SECONDS``
+    torchrun reads a shutdown grace (``--shutdown-timeout``) but uses it only when it is interrupted: when a
+    worker fails, and between restarts, its process context stops the other workers with a fixed 30 s grace.
+    A stopped (SIGSTOP) or hung worker only goes with the SIGKILL at the end of it, so a hang that a rank had
+    detected and reported kept the job alive 30 s more. Every stop uses this grace instead.
+``--fresh-store``
+    The store the workers meet in (their ``MASTER_PORT``) is created once and kept across restarts, and the
+    workers' keys carry no attempt prefix: restarted workers read the dead workers' gloo addresses and fail
+    ("Connection refused") or hang forever (13 of 20 restarts here), and a node joining a running elastic job
+    waits for bootstrap keys that are never written. Each rendezvous round gets a new, empty store.
+``--bind ADDRESS``
+    A store server listens on every interface whatever address it is given; only a socket bound beforehand
+    (``master_listen_fd``) chooses. Every store server torchrun starts is bound to ADDRESS (127.0.0.1 for a
+    job on one machine, so nothing outside it can reach the job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def _one_grace(seconds: int) -> None:
+    try:
+        from torch.distributed.elastic.multiprocessing.api import PContext
+    except ImportError:
+        return
+    original = getattr(PContext, "close", None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def close(self: Any, death_sig: Any = None, timeout: int = 30) -> Any:
+        return original(self, death_sig, seconds)
+
+    PContext.close = close  # type: ignore[method-assign]
+
+
+def _fresh_store_per_round() -> None:
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    except ImportError:
+        return
+    original = getattr(DynamicRendezvousHandler, "next_rendezvous", None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def next_rendezvous(self: Any) -> Any:
+        if hasattr(self, "_bootstrap_store_info") and hasattr(self, "_shared_tcp_store_server"):
+            self._bootstrap_store_info = None  # rebuilt for this round: a new port, read afresh by every node
+            self._shared_tcp_store_server = None  # the old server closes with its last reference
+        return original(self)
+
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def _bound_stores(address: str) -> None:
+    import torch.distributed as dist
+
+    base = dist.TCPStore  # type: ignore[attr-defined]
+
+    class BoundTCPStore(base):  # type: ignore[misc, valid-type]
+        """A TCPStore whose server listens on ``address`` only."""
+
+        def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
+            is_master = kwargs.get("is_master", args[1] if len(args) > 1 else False)
+            if is_master and kwargs.get("master_listen_fd") is None:
+                family = socket.AF_INET6 if ":" in address else socket.AF_INET
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                try:
+                    sock.bind((address, port))
+                    sock.listen(socket.SOMAXCONN)
+                except OSError as exc:
+                    sock.close()
+                    # the rendezvous falls back to being a client on RuntimeError, as when torch's own bind fails
+                    raise RuntimeError(f"cannot listen on {address}:{port}: {exc}") from exc
+                port = sock.getsockname()[1]
+                kwargs["master_listen_fd"] = sock.detach()  # the store owns the descriptor from here on
+            super().__init__(host_name, port, *args, **kwargs)
+
+    modules = ["torch.distributed.elastic.rendezvous.c10d_rendezvous_backend"]
+    modules.append("torch.distributed.elastic.rendezvous.static_tcp_rendezvous")
+    dist.TCPStore = BoundTCPStore  # type: ignore[attr-defined]
+    for name in modules:
+        try:
+            module = __import__(name, fromlist=["TCPStore"])
+        except ImportError:
+            continue
+        if getattr(module, "TCPStore", None) is base:
+            setattr(module, "TCPStore", BoundTCPStore)  # noqa: B010  (the name is looked up there at call time)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    split = args.index("--") if "--" in args else len(args)
+    parser = argparse.ArgumentParser(prog="python -m paratrain._torchrun")
+    parser.add_argument("--grace", type=int)
+    parser.add_argument("--fresh-store", action="store_true")
+    parser.add_argument("--bind")
+    options = parser.parse_args(args[:split])
+    if options.grace is not None:
+        _one_grace(options.grace)
+    if options.fresh_store:
+        _fresh_store_per_round()
+    if options.bind:
+        _bound_stores(options.bind)
+    from torch.distributed.run import main as torchrun_main
+
+    sys.argv = ["torchrun", *args[split + 1 :]]
+    torchrun_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""What a restart costs: the progress a run leaves beside its checkpoints, and the recovery a restart records.
+
+When a worker dies and the launcher restarts the workers (``--max-restarts``), the restarted workers resume from
+the latest checkpoint, so the steps between that checkpoint and the failure are trained again. To report that
+honestly, the main process keeps ``progress.json`` in the checkpoint directory: the last step it finished and
+when (written at most once a second, atomically, a few dozen bytes), plus every recovery so far. A restarted
+run reads it and records, once its first step after resuming is done:
+
+- ``steps_redone``: the steps between the checkpoint it resumed from and the last step finished before the
+  failure (work lost to the failure);
+- ``recovery_seconds``: from that last step to the first step after resuming (detecting the failure, stopping
+  and restarting the workers, loading the checkpoint, and the first step again). Times are wall-clock seconds,
+  so across machines they carry the machines' clock difference.
+
+    log = ProgressLog(Path("runs/a"), enabled=par.is_main, fresh=resumed_from is None)
+    log.start(restart=1, at_step=150)              # a restarted attempt, resumed at global step 150
+    log.step(151)                                  # after every optimizer step: cheap, writes at most 1/s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PROGRESS_FILE", "ProgressLog", "Recovery"]
+
+PROGRESS_FILE = "progress.json"
+_WRITE_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One restart: which attempt, from which step, how much work was redone and how long it took."""
+
+    restart: int
+    resumed_at_step: int
+    steps_redone: int
+    recovery_seconds: float
+
+
+class ProgressLog:
+    """The main process's record of its progress and recoveries in ``directory/progress.json``."""
+
+    def __init__(self, directory: Path | None, *, enabled: bool, fresh: bool) -> None:
+        self.path = directory / PROGRESS_FILE if directory is not None and enabled else None
+        previous = {} if fresh else self._read()  # a run started from scratch starts a new record
+        self.recoveries = [Recovery(**r) for r in previous.get("recoveries", [])]
+        self._last_step = int(previous.get("global_step", 0))
+        self._last_time = float(previous.get("time", 0.0))
+        self._run_started_at = previous.get("run_started_at")
+        self.run_started_at = 0  # the global step this invocation of the job started at, across restarts
+        self._pending: tuple[int, int] | None = None  # (restart, resumed-at step) until the first step is done
+        self._written = 0.0
+
+    def _read(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            found = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # none yet, or unreadable: the recovery figures are then simply not known
+        return found if isinstance(found, dict) else {}
+
+    def start(self, restart: int, at_step: int) -> None:
+        """This attempt (restart number ``restart``; 0: the first) starts at global step ``at_step``.
+
+        A restart continues the same invocation: :attr:`run_started_at` stays where the first attempt started,
+        so limits such as ``--max-steps`` end every attempt at the same step.
+        """
+        self.run_started_at = at_step
+        if restart > 0 and self.path is not None:
+            self._pending = (restart, at_step)
+            if isinstance(self._run_started_at, int):
+                self.run_started_at = self._run_started_at
+
+    def step(self, global_step: int) -> None:
+        """An optimizer step finished: complete a pending recovery; write the progress, at most once a second."""
+        now = time.time()
+        if self._pending is not None:
+            restart, from_step = self._pending
+            redone = max(0, self._last_step - from_step) if self._last_time else 0
+            took = now - self._last_time if self._last_time else 0.0
+            self.recoveries.append(Recovery(restart, from_step, redone, round(took, 3)))
+            self._pending = None
+            self._write(global_step, now)
+        elif now - self._written >= _WRITE_EVERY_S:
+            self._write(global_step, now)
+
+    def finish(self, global_step: int) -> None:
+        """The run ends: record where."""
+        self._write(global_step, time.time())
+
+    def _write(self, global_step: int, now: float) -> None:
+        self._written = now
+        if self.path is None:
+            return
+        payload = {
+            "global_step": global_step,
+            "time": now,
+            "run_started_at": self.run_started_at,
+            "recoveries": [asdict(r) for r in self.recoveries],
+        }
+        temporary = self.path.with_name(f".{PROGRESS_FILE}.{os.getpid()}.tmp")
+        try:
+            temporary.write_text(json.dumps(payload))
+            os.replace(temporary, self.path)
+        except OSError:
+            temporary.unlink(missing_ok=True)  # progress is informational: a failed write must not stop training

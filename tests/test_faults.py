@@ -1,0 +1,156 @@
+"""What happens when things fail, driven with real processes and real files: kills mid-write, write errors.
+
+Each test starts `paratrain train` as a user would, breaks something for real (SIGKILL, a file-size limit), and
+checks what is left on disk and what the next run does with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from paratrain.checkpoint import list_checkpoints, load_checkpoint
+from processes import cli_command, finish, run_cli, start_cli, worker_with_rank
+
+# an MLP of 11.9M parameters: a 48 MB checkpoint whose write takes a few tenths of a second here
+BIG = ("--model", "mlp", "--width", "3072", "--depth", "2", "--quiet")
+
+
+def _temporaries(directory: Path) -> list[Path]:
+    return sorted(directory.glob(".*.tmp"))
+
+
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_one_and_resume_works(tmp_path):
+    directory = tmp_path / "ckpt"
+    common = (*BIG, "--epochs", "1", "--checkpoint-dir", str(directory), "--keep-checkpoints", "50")
+    proc = start_cli("train", *common, "--checkpoint-every", "2")
+    deadline = time.monotonic() + 120
+    try:
+        # wait until one checkpoint is complete and the next one is being written, then kill the writer
+        while not (list_checkpoints(directory) and _temporaries(directory)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint write to interrupt within 120 s"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        finish(proc, expect=None)
+    assert proc.returncode == -signal.SIGKILL
+    written = list_checkpoints(directory)
+    assert written, "the first checkpoint should have survived"
+    for path in written:
+        load_checkpoint(path)  # every checkpoint on disk is whole
+    resumed = run_cli("train", *common, "--resume", "--max-steps", "1", "--metrics-out", str(tmp_path / "m.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert (tmp_path / "m.json").exists()
+
+
+def _limit_file_size(limit: int) -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs a file-size limit (POSIX)")
+def test_a_write_error_is_a_clear_error_and_leaves_no_half_file(tmp_path):
+    directory = tmp_path / "ckpt"
+    first = run_cli("train", "--quiet", "--epochs", "1", "--checkpoint-dir", str(directory))
+    assert first.returncode == 0, first.stderr
+    (before,) = list_checkpoints(directory)
+    original = before.read_bytes()
+    # SimpleNet's checkpoint is about 0.8 MB: with a 0.5 MB limit on file sizes the next write fails midway
+    command = cli_command("train", "--quiet", "--epochs", "2", "--checkpoint-dir", str(directory), "--resume")
+    failed = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, preexec_fn=lambda: _limit_file_size(500_000)
+    )
+    assert failed.returncode == 1, failed.stderr
+    assert "Traceback" not in failed.stderr
+    assert "could not write checkpoint" in failed.stderr and "File too large" in failed.stderr
+    assert list_checkpoints(directory) == [before] and before.read_bytes() == original
+    assert _temporaries(directory) == []  # no half-written file left behind
+
+
+# --- a stalled rank: named, then the whole job ends ---------------------------------------------------------------
+
+
+def test_a_stopped_worker_is_named_and_the_job_ends_soon_after_the_timeout(tmp_path):
+    """SIGSTOP rank 1 mid-run: rank 0 names it within the timeout, exits, and torchrun ends the job."""
+    timeout = 5
+    proc = start_cli(
+        "train", "--strategy", "ddp", "--nproc-per-node", "2", "--timeout", str(timeout), "--dataset", "digits60k",
+        "--epochs", "1", "--log-every", "20", env={"OMP_NUM_THREADS": "1"}, merge_stderr=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    stopped_at = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if stopped_at is None and "Step 40," in line:
+                victim = worker_with_rank(proc.pid, 1)
+                assert victim is not None, "found no worker with RANK=1"
+                os.kill(victim, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = "".join(lines)
+    assert stopped_at is not None, output
+    ended_after = time.monotonic() - stopped_at
+    assert proc.returncode == 1, output
+    assert f"did not complete within {timeout}s: rank(s) 1 did not arrive" in output
+    assert "show no sign of life" in output
+    assert "Root Cause" in output and "rank      : 0" in output  # torchrun's summary: rank 0 failed first
+    assert ended_after < timeout + 15, f"the job ended {ended_after:.1f}s after the stop\n{output}"
+
+
+# --- a dead worker: restarted, resumed, the same model ----------------------------------------------------------
+
+RESTART_RUN = ("--strategy", "ddp", "--nproc-per-node", "2", "--dataset", "digits60k", "--quiet", "--epochs", "1")
+RESTART_RUN += ("--max-steps", "240", "--checkpoint-every", "40", "--keep-checkpoints", "10")
+
+
+def test_a_killed_worker_is_restarted_and_resumes_from_the_latest_checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    proc = start_cli(
+        "train", *RESTART_RUN, "--checkpoint-dir", str(directory), "--max-restarts", "2",
+        "--metrics-out", str(tmp_path / "m.json"), env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (directory / "epoch-0000-step-000080.pt").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint at step 80 within 120 s"
+            time.sleep(0.01)
+        victim = worker_with_rank(proc.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        finish(proc, timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    resumed = json.loads((tmp_path / "m.json").read_text())
+    uninterrupted = tmp_path / "whole.json"
+    finish(start_cli("train", *RESTART_RUN, "--metrics-out", str(uninterrupted), env={"OMP_NUM_THREADS": "1"}))
+    assert resumed["model_fingerprint"] == json.loads(uninterrupted.read_text())["model_fingerprint"]
+    assert resumed["restarts"] == 1 and len(resumed["recoveries"]) == 1
+    recovery = resumed["recoveries"][0]
+    assert recovery["resumed_at_step"] >= 80  # the latest checkpoint, not step 0
+    assert 0 <= resumed["steps_redone"] <= recovery["resumed_at_step"] - 80 + 40 + 5
+    assert 0 < resumed["recovery_seconds"] < 60
+
+
+def test_restarts_without_checkpoints_are_refused():
+    result = run_cli("train", "--strategy", "ddp", "--nproc-per-node", "2", "--max-restarts", "1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert (
+        "--max-restarts 1 restarts the workers after a failure" in result.stderr and "--checkpoint-dir" in result.stderr
+    )
