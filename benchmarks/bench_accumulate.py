@@ -1,0 +1,161 @@
+"""What does gradient accumulation cost under ddp, at the same global batch per optimizer step?
+
+    python benchmarks/bench_accumulate.py            # 2 processes over gloo, MLP 784-1024x2-10, global batch 256
+    python benchmarks/bench_accumulate.py --quick    # few repeats: a smoke run, not a measurement
+    python benchmarks/bench_accumulate.py --steps 8 --batch 512 --world-size 2
+
+The script starts its own worker processes. Each times one optimizer step on the same global batch (each rank
+holding its share, as a prepared loader gives it) in three modes, all through ``Parallel("ddp")``:
+
+- ``K=1``: one forward and backward over the share, one gradient all-reduce round;
+- ``K=4, accumulate``: ``par.accumulate(model, batch, steps=4)``: four micro-batches, the first three under
+  ``no_sync``, one all-reduce round at the last;
+- ``K=4, sync every micro-batch``: the same four micro-batches with every backward synchronising (what
+  accumulation without ``no_sync`` does), to show what ``no_sync`` saves.
+
+The modes run interleaved, one step each in turn with the order alternating, after a warm-up; figures are
+medians of the repeats, measured on rank 0 between barriers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from bench_common import print_table, write_json
+from torch.nn import functional as F
+
+import paratrain
+from paratrain.accumulation import cut, micro_sizes
+from paratrain.training.models import MLP
+
+
+def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(max(1, args.threads))
+    # a file store: no port to pick, so nothing else on the machine can take it first
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
+    par = paratrain.Parallel("ddp", "cpu")
+    g = torch.Generator().manual_seed(1)
+    global_batch = (torch.randn(args.batch, 784, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+    k = args.steps
+
+    def setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(0)
+        model = par.prepare(MLP(784, 10, width=args.width, depth=args.depth))
+        optimizer = par.prepare(torch.optim.SGD(model.parameters(), lr=0.01))
+        (batch,) = list(par.prepare([global_batch]))  # this rank's share, recorded like any loader's
+        return model, optimizer, batch
+
+    def accumulated(steps: int) -> Callable[[], None]:
+        model, optimizer, batch = setup()
+
+        def step() -> None:
+            for x, y in par.accumulate(model, batch, steps=steps):
+                par.backward(F.cross_entropy(model(x), y))
+            par.step(optimizer)
+            optimizer.zero_grad()
+
+        return step
+
+    def synchronising_every_micro_batch() -> Callable[[], None]:
+        model, optimizer, batch = setup()
+        pieces = cut(batch, micro_sizes(len(batch[1]), args.batch, k))
+
+        def step() -> None:
+            for x, y in pieces:
+                par.backward(F.cross_entropy(model(x), y))  # outside no_sync: every backward all-reduces
+            par.step(optimizer)
+            optimizer.zero_grad()
+
+        return step
+
+    modes = {
+        "K=1": accumulated(1),
+        f"K={k}, accumulate": accumulated(k),
+        f"K={k}, sync every micro-batch": synchronising_every_micro_batch(),
+    }
+    for _ in range(args.warmup):
+        for step in modes.values():
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in modes}
+    order = list(modes.items())
+    for i in range(args.repeats):
+        for name, step in order if i % 2 == 0 else order[::-1]:  # alternate the order: no seat is favoured
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            samples[name].append(time.perf_counter() - start)
+    par.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(samples))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1024, help="hidden width (default 1024: paratrain's mlp)")
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=256, help="global batch per optimizer step (default 256)")
+    parser.add_argument("--steps", type=int, default=4, help="micro-batches per step (default 4)")
+    parser.add_argument("--repeats", type=int, help="timed steps per mode (default 30; 3 with --quick)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch threads per process (default: cores / world size)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/accumulate.json)")
+    args = parser.parse_args(argv)
+    world = args.world_size
+    args.repeats = args.repeats or (3 if args.quick else 30)
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "rank0.json")
+        mp.start_processes(
+            worker, args=(world, str(Path(tmp) / "store"), args, out), nprocs=world, start_method="spawn"
+        )
+        samples = json.loads(Path(out).read_text())
+    medians = {name: statistics.median(s) for name, s in samples.items()}
+    base = medians["K=1"]
+    print(
+        f"\nOne optimizer step under ddp, world size {world} over gloo ({args.threads} threads each), "
+        f"MLP 784-{args.width}x{args.depth}-10, global batch {args.batch}, median of {args.repeats}\n"
+    )
+    print_table(
+        ["mode", "step ms", "samples/s", "vs K=1"],
+        [[name, t * 1e3, args.batch / t, t / base] for name, t in medians.items()],
+    )
+    write_json(
+        "accumulate",
+        {
+            "world_size": world,
+            "backend": "gloo",
+            "threads_per_process": args.threads,
+            "model": f"MLP 784-{args.width}x{args.depth}-10",
+            "global_batch": args.batch,
+            "micro_batches": args.steps,
+            "repeats": args.repeats,
+            "step_ms": {name: t * 1e3 for name, t in medians.items()},
+            "ratio_vs_k1": {name: t / base for name, t in medians.items()},
+            "raw_seconds": samples,
+        },
+        args.out,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
