@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint import latest_checkpoint, load_checkpoint
+from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from paratrain.cli import main
 from paratrain.errors import ConfigError
 from paratrain.parallel import seed_everything
@@ -163,6 +163,18 @@ def test_log_dir_writes_the_series_from_the_main_process(tmp_path):
         assert [e.step for e in scalars] == [4, 8]
         assert [e.value for e in scalars] == pytest.approx(accuracy)  # TensorBoard stores float32
         assert len(list(logs.glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_resumed_run_continues_the_log_without_duplicates(tmp_path):
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    common = {"log_dir": str(logs), "log_every": 1, "tensorboard": False, "plot": False, "checkpoint_dir": str(ckpt)}
+    train(TrainConfig(epochs=2, checkpoint_every=3, max_steps=5, **common, **SMALL))
+    # as after a crash: resume from step 3 although steps 4 and 5 (an epoch's end among them) were logged
+    (at_step_3,) = [p for p in list_checkpoints(ckpt) if load_checkpoint(p)["global_step"] == 3]
+    train(TrainConfig(epochs=2, resume=str(at_step_3), **common, **SMALL))
+    rows = read_metrics(logs / "metrics.csv")
+    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == list(range(1, 9))
+    assert [int(r["step"]) for r in rows if r["name"] == "epoch/test_accuracy"] == [4, 8]
 
 
 def _has(package: str) -> bool:
