@@ -157,7 +157,9 @@ class Parallel:
     def prepare(self, *objects: Any) -> Any:
         """Wrap models, keep optimizers, and make loaders deliver this process's batches on :attr:`device`.
 
-        Returns the prepared objects in the order given (one object: just that object).
+        A prepared model's forwards run in the precision's autocast; a prepared optimizer refuses to step on
+        gradients that are not synchronised yet, or (``16-mixed``) still scaled. Returns the prepared objects in
+        the order given (one object: just that object).
         """
         prepared = tuple(self._prepare_one(obj) for obj in objects)
         return prepared[0] if len(prepared) == 1 else prepared

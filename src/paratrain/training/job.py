@@ -194,8 +194,8 @@ class _Run:
                 self.tracker.add(step, global_batch)
             if i % config.log_every == 0:
                 self.say(f"Epoch {epoch}, Step {i}, Loss: {step.loss.item()}")
+                self.timer.flush()  # on a GPU: read the step timer's events (the loss above synchronised anyway)
                 if self.tracker is not None:
-                    self.timer.flush()
                     self.tracker.log_step(
                         step=pos.global_step,
                         epoch=epoch,

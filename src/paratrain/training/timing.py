@@ -27,6 +27,7 @@ from ..parallel import Parallel
 __all__ = ["PHASES", "StepTimer", "time_breakdown"]
 
 PHASES = ("data", "forward", "backward", "optimizer", "rest")
+_MAX_PENDING = 4096  # CUDA events held before reading them anyway (a long --log-every must not hoard events)
 T = TypeVar("T")
 
 
@@ -62,6 +63,8 @@ class StepTimer:
         if self._mark is not None:
             if self.cuda:
                 self._pending.append((phase, self._mark, now))
+                if len(self._pending) >= _MAX_PENDING:
+                    self.flush()
             else:
                 self.totals[phase] += now - self._mark
         self._mark = now
