@@ -12,17 +12,22 @@ holding its share, as a prepared loader gives it) in three modes, all through ``
 - ``K=4, accumulate``: ``par.accumulate(model, batch, steps=4)``: four micro-batches, the first three under
   ``no_sync``, one all-reduce round at the last;
 - ``K=4, sync every micro-batch``: the same four micro-batches with every backward synchronising (what
-  accumulation without ``no_sync`` does), to show what ``no_sync`` saves.
+  accumulation without ``no_sync`` does), to show what ``no_sync`` saves;
+- ``K=4, torch DDP no_sync``: the same four micro-batches through ``torch.nn.parallel.DistributedDataParallel``
+  with its ``no_sync()``, written by hand: what accumulation costs in torch itself, the reference for ours.
 
 The modes run interleaved, one step each in turn with the order alternating, after a warm-up; figures are
 medians of the repeats, measured on rank 0 from a barrier to the end of its step (every mode's last backward
 all-reduces, which holds rank 0 until every rank has got there; a trailing barrier would add gloo's barrier
-latency, tens of milliseconds on a loaded machine, to every mode).
+latency, tens of milliseconds on a loaded machine, to every mode). Beside the wall clock, the CPU time rank 0's
+process spent in the step (all its threads, gloo's included): on a machine shared with other jobs, where the
+wall clock mostly measures waiting for a core, it still says how much work each mode does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -86,26 +91,47 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
 
         return step
 
+    def torch_ddp_no_sync() -> Callable[[], None]:
+        _model, _optimizer, batch = setup()
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(MLP(784, 10, width=args.width, depth=args.depth))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        sizes = micro_sizes(len(batch[1]), args.batch, k)
+        pieces = cut(batch, sizes)
+        weights = [n * world / args.batch for n in sizes]  # as paratrain weighs them: the global batch's mean
+
+        def step() -> None:
+            for j, ((x, y), weight) in enumerate(zip(pieces, weights, strict=True)):
+                with model.no_sync() if j + 1 < len(pieces) else contextlib.nullcontext():
+                    (F.cross_entropy(model(x), y) * weight).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step
+
     modes = {
         "K=1": accumulated(1),
         f"K={k}, accumulate": accumulated(k),
         f"K={k}, sync every micro-batch": synchronising_every_micro_batch(),
+        f"K={k}, torch DDP no_sync": torch_ddp_no_sync(),
     }
     for _ in range(args.warmup):
         for step in modes.values():
             step()
-    samples: dict[str, list[float]] = {name: [] for name in modes}
+    wall: dict[str, list[float]] = {name: [] for name in modes}
+    cpu: dict[str, list[float]] = {name: [] for name in modes}
     order = list(modes.items())
     for i in range(args.repeats):
         for name, step in order if i % 2 == 0 else order[::-1]:  # alternate the order: no seat is favoured
             dist.barrier()  # a common start; the step's last all-reduce brings the ranks together again
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step()
-            samples[name].append(time.perf_counter() - start)
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
     par.close()
     dist.destroy_process_group()
     if rank == 0:
-        Path(out).write_text(json.dumps(samples))
+        Path(out).write_text(json.dumps({"wall": wall, "cpu": cpu}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,16 +156,20 @@ def main(argv: list[str] | None = None) -> int:
             worker, args=(world, str(Path(tmp) / "store"), args, out), nprocs=world, start_method="spawn"
         )
         samples = json.loads(Path(out).read_text())
-    medians = {name: statistics.median(s) for name, s in samples.items()}
-    base = medians["K=1"]
+    medians = {name: statistics.median(s) for name, s in samples["wall"].items()}
+    cpu = {name: statistics.median(s) for name, s in samples["cpu"].items()}
+    base, cpu_base = medians["K=1"], cpu["K=1"]
     print(
         f"\nOne optimizer step under ddp, world size {world} over gloo ({args.threads} threads each), "
         f"MLP 784-{args.width}x{args.depth}-10, global batch {args.batch}, median of {args.repeats}\n"
     )
-    best = {name: min(s) for name, s in samples.items()}
+    best = {name: min(s) for name, s in samples["wall"].items()}
     print_table(
-        ["mode", "median ms", "samples/s", "vs K=1", "best ms"],
-        [[name, t * 1e3, args.batch / t, t / base, best[name] * 1e3] for name, t in medians.items()],
+        ["mode", "median ms", "samples/s", "vs K=1", "best ms", "CPU ms", "CPU vs K=1"],
+        [
+            [name, t * 1e3, args.batch / t, t / base, best[name] * 1e3, cpu[name] * 1e3, cpu[name] / cpu_base]
+            for name, t in medians.items()
+        ],
     )
     write_json(
         "accumulate",
@@ -154,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             "step_ms": {name: t * 1e3 for name, t in medians.items()},
             "ratio_vs_k1": {name: t / base for name, t in medians.items()},
             "best_step_ms": {name: t * 1e3 for name, t in best.items()},
+            "cpu_ms_rank0": {name: t * 1e3 for name, t in cpu.items()},
+            "cpu_ratio_vs_k1": {name: t / cpu_base for name, t in cpu.items()},
             "raw_seconds": samples,
         },
         args.out,
