@@ -56,6 +56,11 @@ def main() -> int:
         ),
         ("ddp benchmark", [py, "benchmarks/bench_ddp.py", "--gpu", *quick, "--out", str(out / "ddp_gpu.json")], 240),
         (
+            "precision benchmark",
+            [py, "benchmarks/bench_precision.py", "--gpu", *quick, "--out", str(out / "precision_gpu.json")],
+            180,
+        ),
+        (
             "train benchmark",
             [
                 py,

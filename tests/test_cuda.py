@@ -57,3 +57,39 @@ def test_cuda_batchnorm_buffers_merge_across_streams():
     plain(x)
     dp(x)
     torch.testing.assert_close(inner.running_mean, plain.running_mean)
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
+def test_cuda_mixed_precision_through_parallel(precision, dtype):
+    import paratrain
+
+    torch.manual_seed(0)
+    inner = SimpleNet()
+    seen = []
+    inner.fc1.register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+    with paratrain.Parallel("single", "cuda:0", precision=precision) as par:
+        model = par.prepare(inner)
+        optimizer = par.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+        before = inner.fc1.weight.detach().clone()
+        x = torch.randn(16, 784, device="cuda")
+        out = model(x)
+        par.backward(F.cross_entropy(out, torch.randint(0, 10, (16,), device="cuda")))
+        norm = par.clip_grad_norm_(model, 100.0)
+        applied = par.step(optimizer)
+    assert seen == [dtype] and out.dtype == torch.float32
+    assert torch.isfinite(norm) and applied and not torch.equal(before, inner.fc1.weight)
+
+
+def test_cuda_step_timer_reads_events_only_when_flushed():
+    from paratrain.training.timing import StepTimer
+
+    timer = StepTimer(torch.device("cuda", 0))
+    x = torch.randn(2048, 2048, device="cuda")
+    for _ in timer.data(range(3)):
+        x = x @ x / 2048
+        timer.lap("forward")
+        timer.lap("optimizer")
+    timer.stop()
+    assert timer.clock == "cuda events" and timer.totals["forward"] == 0.0  # nothing read yet
+    timer.flush()
+    assert timer.totals["forward"] > 0 and timer.steps == 3

@@ -208,7 +208,7 @@ def test_cli_quiet_prints_only_the_result():
 @pytest.mark.parametrize(
     "args, code, message",
     [
-        (["--model", "resnet"], 2, "invalid choice: 'resnet' (choose from"),
+        (["--model", "resnet"], 2, "unknown model 'resnet'; choose one of: simplenet, demo, mlp, cnn"),
         (["--batch-size", "0"], 2, "--batch-size must be at least 1; found 0"),
         (["--batch-size", "many"], 2, "--batch-size: expected an integer, found 'many'"),
         (["--lr", "-1"], 2, "--lr must be positive; found -1.0"),

@@ -8,7 +8,14 @@
 
 The loop never asks which strategy it runs under: ``single`` (one device), ``dp`` (paratrain's DataParallel
 over several devices in this process), and, with torchrun, ``ddp``. ``auto`` picks one by the rule in
-:mod:`paratrain.strategies`.
+:mod:`paratrain.strategies`. Mixed precision, gradient accumulation and clipping compose with every strategy::
+
+    par = paratrain.Parallel("auto", precision="bf16-mixed")      # or "16-mixed" (with a gradient scaler)
+    for batch in loader:                                          # one global batch per optimizer step
+        for x, y in par.accumulate(model, batch, steps=4):        # only the last micro-batch synchronises
+            par.backward(criterion(model(x), y))
+        par.clip_grad_norm_(model, 1.0)                           # the global gradient's norm
+        par.step(optimizer); optimizer.zero_grad()                # skipped (and counted) on inf/nan with 16-mixed
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from .accumulation import check_steps, cut, micro_sizes, samples_in
 from .checkpoint import load_checkpoint, save_checkpoint
 from .devices import DeviceLike
 from .errors import ConfigError
-from .prepared import BatchShare, PreparedIndexedLoader, PreparedLoader, prepare_loader
+from .precision import Precision, select_precision
+from .prepared import BatchShare, PreparedIndexedLoader, PreparedLoader, Recording, prepare_loader
 from .strategies import ReduceOp, Strategy, select_strategy
 from .tree import flatten
 
@@ -56,10 +66,13 @@ class Parallel:
             list of devices.
         seed: when given, seeds every generator the same way in every process.
         timeout: ddp only: seconds a collective may wait for the other ranks before failing.
+        precision: ``32`` (default), ``bf16-mixed`` or ``16-mixed``: forward passes of prepared models run under
+            ``torch.autocast`` for the device's type and return float32 outputs; ``16-mixed`` adds a gradient
+            scaler (see :mod:`paratrain.precision`), so optimizers must step through :meth:`step`.
 
     Raises:
-        ConfigError: an unknown strategy, devices it cannot use, or ``devices``/``timeout`` given with a
-            :class:`Strategy` instance (it has its own).
+        ConfigError: an unknown strategy or precision, devices it cannot use (or a mixed precision they cannot
+            run), or ``devices``/``timeout`` given with a :class:`Strategy` instance (it has its own).
     """
 
     def __init__(
@@ -69,6 +82,7 @@ class Parallel:
         *,
         seed: int | None = None,
         timeout: float | None = None,
+        precision: str = "32",
     ) -> None:
         if isinstance(strategy, Strategy):
             given = [
@@ -85,10 +99,21 @@ class Parallel:
         else:
             self.strategy = select_strategy(strategy, devices, timeout=timeout)
         self.strategy.setup()
+        try:
+            self.precision: Precision = select_precision(precision, self.strategy.device)
+        except ConfigError:
+            self.strategy.teardown(clean=False)
+            raise
         if seed is not None:
             seed_everything(seed)
         self._loaders: list[weakref.ref[PreparedLoader | PreparedIndexedLoader]] = []
-        self._bound: BatchShare | None = None  # the share of the batch the latest training forward ran on
+        self._micro = Recording()  # the micro-batch accumulate() is feeding
+        self._bound: tuple[BatchShare | None, float] | None = None  # share and part of the latest forward's batch
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._handles: list[RemovableHandle] = []
+        self._no_sync_depth = 0
+        self._local_grads = False  # the latest backward ran inside no_sync: gradients are this process's own
+        self._stepping = False  # inside step(): the optimizers' own step() is expected
 
     # -- where we are -----------------------------------------------------------------------------------------
 
@@ -132,7 +157,9 @@ class Parallel:
     def prepare(self, *objects: Any) -> Any:
         """Wrap models, keep optimizers, and make loaders deliver this process's batches on :attr:`device`.
 
-        Returns the prepared objects in the order given (one object: just that object).
+        A prepared model's forwards run in the precision's autocast; a prepared optimizer refuses to step on
+        gradients that are not synchronised yet, or (``16-mixed``) still scaled. Returns the prepared objects in
+        the order given (one object: just that object).
         """
         prepared = tuple(self._prepare_one(obj) for obj in objects)
         return prepared[0] if len(prepared) == 1 else prepared
@@ -140,10 +167,12 @@ class Parallel:
     def _prepare_one(self, obj: Any) -> Any:
         if isinstance(obj, nn.Module):
             wrapped = self.strategy.wrap_model(obj)
-            if self.world_size > 1:  # one process holds the whole batch otherwise: every weight is 1
-                wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True)
+            self._handles.append(wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True))
+            self._handles += self.precision.attach(wrapped)
             return wrapped
         if isinstance(obj, torch.optim.Optimizer):
+            self._optimizers.append(weakref.ref(obj))
+            self._handles.append(obj.register_step_pre_hook(self._before_step))
             return obj  # parameters moved in place by .to(), so the optimizer still holds the right ones
         if isinstance(obj, Iterable):
             loader = prepare_loader(obj, self.strategy)
@@ -164,28 +193,143 @@ class Parallel:
         """
         if not torch.is_grad_enabled():
             return
-        tensors = [t for t in flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        recordings = [loader.recording for ref in self._loaders if (loader := ref()) is not None]
-        fed = next((r for r in recordings if r.owns(tensors)), None)
+        recordings = self._recordings()
+        fed = self._recording_of((args, kwargs), recordings)
         if fed is None and recordings:
             fed = max(recordings, key=lambda r: r.order)
-        self._bound = fed.share if fed is not None else None
+        # the values, not the recording: a loader may record its next batch before this forward's backward
+        self._bound = (fed.share, fed.fraction) if fed is not None else None
+
+    def _recordings(self) -> list[Recording]:
+        loaders = [loader.recording for ref in self._loaders if (loader := ref()) is not None]
+        return [self._micro, *loaders] if self._micro.order else loaders
+
+    @staticmethod
+    def _recording_of(batch: Any, recordings: list[Recording]) -> Recording | None:
+        """The recording whose latest batch holds one of ``batch``'s tensors (fed unchanged), if any."""
+        tensors = [t for t in flatten(batch)[0] if isinstance(t, torch.Tensor)]
+        return next((r for r in recordings if r.owns(tensors)), None)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, weighted so that synchronised gradients are the global batch's mean gradient.
 
         The weight is this process's share of the global batch that the loss's forward ran on (see
-        :meth:`_bind_share`); 1 in one process, or when the batch did not come from a prepared loader.
+        :meth:`_bind_share`), times the micro-batch's part of that share under :meth:`accumulate`; 1 in one
+        process without accumulation, or when the batch did not come from a prepared loader. With ``16-mixed``
+        the weighted loss is also multiplied by the gradient scaler's scale.
         """
-        share, self._bound = self._bound, None
+        share, fraction = self._bound or (None, 1.0)
+        self._bound = None
         weight = self.strategy.loss_weight(share.local, share.total) if share is not None and share.total else 1.0
-        self.strategy.backward(loss if weight == 1.0 else loss * weight)
+        weight *= fraction
+        self.strategy.backward(self.precision.scale(loss if weight == 1.0 else loss * weight))
+        self._local_grads = self._no_sync_depth > 0
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """Accumulate gradients locally inside the block; the next backward outside it synchronises."""
-        with self.strategy.no_sync(model):
-            yield
+        self._no_sync_depth += 1
+        try:
+            with self.strategy.no_sync(model):
+                yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def accumulate(self, model: nn.Module, batch: Any, steps: int) -> Iterator[Any]:
+        """Cut ``batch`` into up to ``steps`` micro-batches and yield each; only the last one synchronises.
+
+        Run forward and :meth:`backward` on each micro-batch in the loop's body; after the loop the gradients
+        are the global batch's mean, synchronised once (one all-reduce round under ddp), ready for
+        :meth:`clip_grad_norm_` and :meth:`step`. ``batch`` is what a prepared loader yielded (this process's
+        share of a global batch); the rule for the cut is in :mod:`paratrain.accumulation`. ``steps=1`` yields
+        ``batch`` itself.
+
+        Raises:
+            ConfigError: ``steps`` is not a positive int, or the batch has no tensor to cut along dim 0.
+        """
+        check_steps(steps)
+        if steps == 1:
+            yield batch
+            return
+        fed = self._recording_of(batch, self._recordings())
+        share = fed.share if fed is not None else None
+        local = samples_in(batch)
+        # every process must cut into the same number of micro-batches: known from the global batch's size, or
+        # in one process from this batch; otherwise (ddp, a batch from no prepared loader) exactly ``steps``
+        total = share.total if share is not None else (local if self.world_size == 1 else None)
+        sizes = micro_sizes(local, total, steps)
+        try:
+            for k, (piece, n) in enumerate(zip(cut(batch, sizes), sizes, strict=True)):
+                self._micro.record(piece, share, n / local if local else 0.0)
+                if k + 1 < len(sizes):
+                    with self.no_sync(model):
+                        yield piece
+                else:
+                    yield piece
+        finally:
+            self._micro.clear()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient of ``model`` to ``max_norm``; returns its norm before clipping.
+
+        Call it after the last backward of a step (outside ``no_sync``): the norm is then that of the
+        synchronised gradient, the same in every process and equal to one device's. With ``16-mixed`` the
+        gradients are unscaled first (through the prepared optimizer holding them).
+
+        Raises:
+            ConfigError: the latest backward ran inside ``no_sync`` (gradients not synchronised yet), or
+                ``16-mixed`` and no prepared optimizer holds the model's parameters.
+        """
+        self._check_synchronised("clip_grad_norm_()")
+        module = self.unwrap(model)
+        if self.precision.scaled:
+            params = {id(p) for p in module.parameters()}
+            holding = [opt for opt in self._live_optimizers() if any(id(p) in params for p in _params_of(opt))]
+            if not holding:
+                raise ConfigError(
+                    f"clip_grad_norm_() under precision {self.precision.name!r} unscales the gradients first, "
+                    f"through the optimizer that holds them, but no optimizer given to prepare() holds this "
+                    f"model's parameters; pass the optimizer to prepare() too"
+                )
+            self.precision.unscale(holding)
+        return self.strategy.clip_grad_norm_(module, max_norm, norm_type)
+
+    def step(self, *optimizers: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` for each, through the precision: False when the step was skipped.
+
+        Only ``16-mixed`` skips steps (a gradient was inf or nan: the scale backs off and
+        ``par.precision.skipped_steps`` counts it); it also needs every optimizer of a step in one call, since
+        the scale changes once per step. Under ``32`` and ``bf16-mixed``, ``optimizer.step()`` does the same.
+        """
+        if not optimizers:
+            raise ConfigError("step() takes the optimizer(s) to step, e.g. par.step(optimizer)")
+        self._check_synchronised("step()")
+        self._stepping = True
+        try:
+            return self.precision.step(optimizers)
+        finally:
+            self._stepping = False
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """A prepared optimizer's step pre-hook: refuse steps that would apply the wrong gradients."""
+        self._check_synchronised("optimizer.step()")
+        if self.precision.scaled and not self._stepping:
+            raise ConfigError(
+                f"under precision {self.precision.name!r} the gradients carry the loss scale: step with "
+                f"par.step(optimizer), which unscales them and skips steps with inf/nan gradients, instead of "
+                f"optimizer.step()"
+            )
+
+    def _check_synchronised(self, what: str) -> None:
+        if self._local_grads:
+            raise ConfigError(
+                f"{what} after a backward inside no_sync: the gradients are this process's own, not yet the "
+                f"global batch's; call it after the last micro-batch's backward (after the par.accumulate() "
+                f"loop, or after a backward outside no_sync)"
+            )
+
+    def _live_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [opt for ref in self._optimizers if (opt := ref()) is not None]
 
     # -- helpers a loop needs ---------------------------------------------------------------------------------
 
@@ -233,6 +377,9 @@ class Parallel:
 
         ``clean=False`` (leaving on an error) skips waiting for the other processes.
         """
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         self.strategy.teardown(clean)
 
     def __enter__(self) -> Parallel:
@@ -240,3 +387,8 @@ class Parallel:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(clean=exc_type is None)
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]

@@ -25,7 +25,7 @@ from .scatter_gather import batch_size
 from .strategies import Strategy
 from .tree import flatten, unflatten
 
-__all__ = ["BatchShare", "IndexedLoader", "PreparedIndexedLoader", "PreparedLoader", "prepare_loader"]
+__all__ = ["BatchShare", "IndexedLoader", "PreparedIndexedLoader", "PreparedLoader", "Recording", "prepare_loader"]
 
 
 @dataclass(frozen=True)
@@ -59,19 +59,29 @@ class IndexedLoader(Protocol):
 _yielded = itertools.count(1)  # orders batches across loaders: which one came last
 
 
-class _Recording:
-    """The share of the latest batch a loader yielded, and weak references to that batch's tensors."""
+class Recording:
+    """The share of the latest batch a loader yielded, and weak references to that batch's tensors.
+
+    ``fraction`` is the part of the share the batch is: 1 for a loader's batch, a micro-batch's samples over
+    the share's for ``Parallel.accumulate``.
+    """
 
     def __init__(self) -> None:
         self.share: BatchShare | None = None
+        self.fraction = 1.0
         self.order = 0  # when the batch was yielded, among every prepared loader's batches
         self._tensors: list[weakref.ref[torch.Tensor]] = []
 
-    def record(self, batch: Any, share: BatchShare) -> None:
+    def record(self, batch: Any, share: BatchShare | None, fraction: float = 1.0) -> None:
         leaves, _ = flatten(batch)
         self._tensors = [weakref.ref(t) for t in leaves if isinstance(t, torch.Tensor)]
         self.share = share
+        self.fraction = fraction
         self.order = next(_yielded)
+
+    def clear(self) -> None:
+        """Forget the latest batch (it is no candidate for the next forward any more)."""
+        self.share, self.fraction, self.order, self._tensors = None, 1.0, 0, []
 
     def owns(self, tensors: list[torch.Tensor]) -> bool:
         """True when one of ``tensors`` is a tensor of the latest batch (fed to a model unchanged)."""
@@ -92,7 +102,7 @@ class PreparedIndexedLoader:
     def __init__(self, loader: IndexedLoader, strategy: Strategy) -> None:
         self.loader = loader.to(strategy.device)
         self.strategy = strategy
-        self.recording = _Recording()
+        self.recording = Recording()
         self._start = 0
 
     def __len__(self) -> int:
@@ -139,7 +149,7 @@ class PreparedLoader:
             )
         self.loader = loader
         self.strategy = strategy
-        self.recording = _Recording()
+        self.recording = Recording()
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

@@ -27,11 +27,26 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
         help="train a model (default: the MNIST DataParallel tutorial's SimpleNet job) on one device or many",
         description="Train a model on one device, several devices in one process, or one process per device. "
         "The defaults are the classic MNIST DataParallel tutorial's job: SimpleNet, batch 64, SGD with learning "
-        "rate 0.01, 5 epochs (on the offline digits data). --batch-size is the global batch under every strategy.",
+        "rate 0.01, 5 epochs (on the offline digits data). --batch-size is the global batch under every strategy, "
+        "per optimizer step: with --accumulate K each process's share of it is cut into K micro-batches.",
     )
-    add_options(tr, TrainConfig)
+    add_options(tr, TrainConfig, parsers={"betas": _betas})
     add_launcher_options(tr)
     tr.set_defaults(handler=_train)
+
+
+def _betas(text: str) -> tuple[float, float]:
+    """``0.9,0.999`` -> (0.9, 0.999)."""
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(
+            f"expected two numbers separated by a comma, such as 0.9,0.999; found {text!r}"
+        )
+    return values[0], values[1]
 
 
 def _train(args: argparse.Namespace) -> int:

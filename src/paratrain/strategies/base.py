@@ -82,6 +82,15 @@ class Strategy(ABC):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip ``module``'s gradients to ``max_norm`` in total; returns the total norm before clipping.
+
+        After synchronisation every process holds the whole gradient (in one process: the replicas' gradients
+        summed into the module's), so the local norm is the global norm.
+        """
+        params = [p for p in module.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """Combine ``tensor`` across processes; in one process, the tensor itself."""
         return tensor

@@ -11,13 +11,18 @@ SimpleNet, batch 64, SGD with learning rate 0.01, 5 epochs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..collectives import DEFAULT_TIMEOUT_S
 from ..errors import ConfigError
+from ..precision import PRECISIONS
 from ..strategies import STRATEGY_NAMES
 from .datasets import DATASET_NAMES
+from .logs import check_extras
+from .model_spec import check_model_spec, is_model_spec
 from .models import MODEL_NAMES
+from .optimizers import DEFAULT_BETAS, LR_SCHEDULES, OPTIMIZERS
 
 __all__ = ["RESUME_MODES", "TrainConfig"]
 
@@ -33,13 +38,50 @@ def _setting(default: Any, help: str, **cli: Any) -> Any:
 class TrainConfig:
     """Every setting of a training run; the defaults are the classic MNIST DataParallel tutorial's job."""
 
-    model: str = _setting("simplenet", "the model to train", choices=MODEL_NAMES)
+    model: str = _setting(
+        "simplenet",
+        f"the model to train: one of {', '.join(MODEL_NAMES)}, or your own as module.path:callable, called with "
+        f"(input_shape, num_classes) when it takes two arguments, else with none, returning an nn.Module",
+        metavar="NAME|module:callable",
+    )
     dataset: str = _setting("digits", "the data: digits (offline), digits60k, mnist, random", choices=DATASET_NAMES)
     epochs: int = _setting(5, "passes over the training data")
     batch_size: int = _setting(
-        64, "the global batch: samples per optimizer step, split across every device and process"
+        64,
+        "the global batch: samples per optimizer step, split across every device and process (and, with "
+        "--accumulate K, into K micro-batches)",
     )
-    lr: float = _setting(0.01, "SGD learning rate")
+    lr: float = _setting(0.01, "learning rate (the peak of --lr-schedule cosine)")
+    optimizer: str = _setting("sgd", "the optimizer", choices=OPTIMIZERS)
+    momentum: float = _setting(0.0, "sgd momentum")
+    weight_decay: float | None = _setting(
+        None, "decoupled weight decay for adamw, L2 penalty for sgd (default: 0.01 for adamw, 0 for sgd)"
+    )
+    betas: tuple[float, float] = _setting(
+        DEFAULT_BETAS,
+        f"adamw's two moment decay rates (default {DEFAULT_BETAS[0]},{DEFAULT_BETAS[1]})",
+        metavar="B1,B2",
+    )
+    lr_schedule: str = _setting(
+        "constant", "constant, or cosine decay to 0 over the run's optimizer steps", choices=LR_SCHEDULES
+    )
+    warmup_steps: int = _setting(0, "raise the learning rate linearly from 0 over the first N steps", metavar="N")
+    clip_grad_norm: float | None = _setting(
+        None, "clip the global gradient's norm to X before every optimizer step", metavar="X"
+    )
+    precision: str = _setting(
+        "32",
+        "32 (float32), bf16-mixed or 16-mixed (forward passes under autocast; 16-mixed also scales the loss "
+        "and skips steps whose gradients overflow)",
+        choices=PRECISIONS,
+    )
+    accumulate: int = _setting(
+        1,
+        "micro-batches per optimizer step: each process's share of every global batch is cut into K "
+        "micro-batches (sizes differ by at most one), only the last synchronises gradients, and the step is "
+        "on the whole --batch-size: --batch-size 64 --accumulate 4 steps on 64 samples as 4 micro-batches of 16",
+        metavar="K",
+    )
     log_every: int = _setting(100, "print the loss every N steps", metavar="N")
     strategy: str = _setting(
         "auto",
@@ -62,6 +104,15 @@ class TrainConfig:
         metavar="latest|if-exists|PATH",
     )
     metrics_out: str | None = _setting(None, "write the results as JSON", metavar="FILE.json")
+    log_dir: str | None = _setting(
+        None,
+        "write TensorBoard event files, metrics.csv and curves.png there (from rank 0 only)",
+        metavar="DIR",
+    )
+    tensorboard: bool | None = _setting(
+        None, "with --log-dir, write TensorBoard event files (default: yes; needs paratrain[tensorboard])"
+    )
+    plot: bool | None = _setting(None, "with --log-dir, draw curves.png (default: yes; needs paratrain[plot])")
     quiet: bool = _setting(False, "no progress bar and no per-step lines")
     progress_bar: bool | None = _setting(None, "show a progress bar (default: when stderr is a terminal)")
     width: int = _setting(1024, "hidden width of --model mlp")
@@ -78,12 +129,24 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ConfigError for settings no run can use, before any work starts."""
-        if self.model not in MODEL_NAMES:
-            raise ConfigError(f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_NAMES)}")
+        if is_model_spec(self.model):
+            check_model_spec(self.model)
+        elif self.model not in MODEL_NAMES:
+            raise ConfigError(
+                f"unknown model {self.model!r}; choose one of: {', '.join(MODEL_NAMES)}, or give your own as "
+                f"module.path:callable"
+            )
         if self.dataset not in DATASET_NAMES:
             raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASET_NAMES)}")
         if self.strategy not in STRATEGY_NAMES:
             raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of: {', '.join(STRATEGY_NAMES)}")
+        for name, value, choices in (
+            ("--precision", self.precision, PRECISIONS),
+            ("--optimizer", self.optimizer, OPTIMIZERS),
+            ("--lr-schedule", self.lr_schedule, LR_SCHEDULES),
+        ):
+            if value not in choices:
+                raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(choices)}")
         checks = [
             (self.epochs >= 1, f"--epochs must be at least 1; found {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be at least 1; found {self.batch_size}"),
@@ -96,9 +159,48 @@ class TrainConfig:
             (self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1; found {self.max_steps}"),
             (self.eval_batch_size >= 1, f"--eval-batch-size must be at least 1; found {self.eval_batch_size}"),
             (self.timeout is None or self.timeout > 0, f"--timeout must be positive seconds; found {self.timeout}"),
+            (
+                self.accumulate >= 1,
+                f"--accumulate must be at least 1 (micro-batches per step); found {self.accumulate}",
+            ),
+            (
+                self.batch_size >= self.accumulate,
+                f"--accumulate {self.accumulate} cuts each global batch into {self.accumulate} micro-batches, so "
+                f"--batch-size must be at least {self.accumulate}; found {self.batch_size}",
+            ),
+            (self.momentum >= 0, f"--momentum must be 0 or more; found {self.momentum}"),
+            (
+                self.weight_decay is None or self.weight_decay >= 0,
+                f"--weight-decay must be 0 or more; found {self.weight_decay}",
+            ),
+            (
+                len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                f"--betas must be two numbers in [0, 1), such as 0.9,0.999; found {self.betas}",
+            ),
+            (self.warmup_steps >= 0, f"--warmup-steps must be 0 or more; found {self.warmup_steps}"),
+            (
+                self.clip_grad_norm is None or self.clip_grad_norm > 0,
+                f"--clip-grad-norm must be positive; found {self.clip_grad_norm}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.optimizer != "sgd" and self.momentum != 0:
+            raise ConfigError(f"--momentum is for --optimizer sgd; {self.optimizer} takes --betas instead")
+        if self.optimizer != "adamw" and tuple(self.betas) != DEFAULT_BETAS:
+            raise ConfigError(f"--betas is for --optimizer adamw; {self.optimizer} takes --momentum instead")
+        self._check_log_dir()
         if self.resume is not None and self.checkpoint_dir is None and self.resume in RESUME_MODES:
             raise ConfigError("--resume needs --checkpoint-dir (where to look for the latest checkpoint)")
+
+    def _check_log_dir(self) -> None:
+        for name, value in (("--tensorboard", self.tensorboard), ("--plot", self.plot)):
+            if value and self.log_dir is None:
+                raise ConfigError(f"{name} writes into --log-dir; add --log-dir DIR")
+        if self.log_dir is None:
+            return
+        path = Path(self.log_dir)
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"--log-dir {self.log_dir} is a file; give a directory (it is created if missing)")
+        check_extras(tensorboard=self.tensorboard is not False, plot=self.plot is not False)

@@ -4,6 +4,7 @@
     paratrain train --strategy dp --devices cpu,cpu,cpu      # the same run split over three CPU replicas
     paratrain train --devices cuda:0,cuda:1 --metrics-out m.json
     paratrain train --checkpoint-dir runs/a && paratrain train --checkpoint-dir runs/a --resume
+    paratrain train --precision bf16-mixed --accumulate 4 --optimizer adamw --lr-schedule cosine --log-dir runs/b
 
 From Python: ``train(TrainConfig(epochs=1, quiet=True))`` returns a :class:`~paratrain.training.results.TrainResult`.
 """
@@ -18,26 +19,34 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+from torch.optim.lr_scheduler import LambdaLR
 
 from ..checkpoint import check_writable, checkpoint_name, latest_checkpoint, load_checkpoint, prune_checkpoints
 from ..errors import CheckpointError
 from ..launch import restart_count
 from ..parallel import Parallel, seed_everything
+from ..precision import Precision
 from ..rng import rng_state, set_rng_state
 from ..state_dicts import check_compatible
 from .config import RESUME_MODES, TrainConfig
 from .datasets import TensorData, load_dataset
 from .loader import DeviceLoader
-from .models import build_model
+from .logs import RunLog
+from .model_spec import build_model_spec
+from .optimizers import build_optimizer, build_scheduler, optimizer_settings, restore_scheduler
 from .progress import Progress
 from .recovery import ProgressLog
 from .results import TrainResult, fingerprint, write_metrics
+from .stepper import Stepper
+from .timing import StepTimer, time_breakdown
+from .tracking import Tracker
 
 __all__ = ["evaluate", "train"]
 
 # what must match between a checkpoint and the run that resumes from it
-_IDENTITY = ("model", "dataset", "batch_size", "seed", "width", "depth")
+_IDENTITY = ("model", "dataset", "batch_size", "seed", "width", "depth", "optimizer", "lr_schedule", "precision")
+# what checkpoints written before a setting existed ran with
+_IDENTITY_BEFORE = {"optimizer": "sgd", "lr_schedule": "constant", "precision": "32"}
 
 
 @dataclass
@@ -75,7 +84,7 @@ def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> T
     ``log`` receives every line the main process would print (default: stdout).
     """
     config.validate()
-    with Parallel(config.strategy, config.devices, timeout=config.timeout) as par:
+    with Parallel(config.strategy, config.devices, timeout=config.timeout, precision=config.precision) as par:
         return _Run(config, par, log).run()
 
 
@@ -94,14 +103,25 @@ class _Run:
         self.resume_path = _find_resume(config, self.checkpoints, self.restart)
         self.splits = load_dataset(config.dataset, config.data_dir)
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
-        model = build_model(
+        model = build_model_spec(
             config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
         )
-        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+        optimizer = build_optimizer(
+            model.parameters(),
+            config.optimizer,
+            lr=config.lr,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+            betas=config.betas,
+        )
         loader = DeviceLoader(self.splits.train, config.batch_size, shuffle=True, seed=config.seed)
+        # built before a resume restores the optimizer: building a schedule sets the learning rate
+        self.scheduler = build_scheduler(
+            optimizer, config.lr_schedule, warmup_steps=config.warmup_steps, total_steps=config.epochs * len(loader)
+        )
         self.pos = _Position()
         if self.resume_path is not None:
-            self.pos = _restore(self.resume_path, config, model, optimizer)
+            self.pos = _restore(self.resume_path, config, model, optimizer, self.scheduler, par.precision)
             again = f" after restart {self.restart}" if self.restart else ""
             self.say(f"Resuming{again} from {self.resume_path} (epoch {self.pos.epoch}, batch {self.pos.batch})")
         self.recovery = ProgressLog(self.checkpoints, enabled=par.is_main, fresh=self.resume_path is None)
@@ -111,8 +131,27 @@ class _Run:
         started = torch.tensor([self.recovery.run_started_at], dtype=torch.int64)
         self.run_started_at = int(par.broadcast(started)[0])
         self.model, self.optimizer, self.loader = par.prepare(model, optimizer, loader)
+        self.timer = StepTimer(par.device)
+        self.stepper = Stepper(
+            par,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            accumulate=config.accumulate,
+            clip_grad_norm=config.clip_grad_norm,
+            timer=self.timer,
+        )
+        self.tracker = None
+        if config.log_dir is not None:  # every process takes part in the logged values; the main one writes
+            resumed_at = self.pos.global_step if self.resume_path is not None else None
+            run_log = None
+            if par.is_main:
+                tensorboard, plot = config.tensorboard is not False, config.plot is not False
+                run_log = RunLog(config.log_dir, tensorboard=tensorboard, plot=plot, resume_step=resumed_at)
+            self.tracker = Tracker(par, run_log)
         self.steps = self.samples = 0
         self.epoch_losses: list[float] = []
+        self.epoch_accuracy: list[float] = []
 
     def say(self, line: str) -> None:
         if not self.config.quiet:
@@ -125,12 +164,16 @@ class _Run:
             f"with {self.par.describe()}, global batch {config.batch_size}, {config.epochs} epochs"
         )
         loop_start = time.perf_counter()
-        for epoch in range(self.pos.epoch, config.epochs):
-            if not self._epoch(epoch):
-                break
-        loop_seconds = max(time.perf_counter() - loop_start, 1e-9)
-        self.recovery.finish(self.pos.global_step)
-        result = self._result(loop_seconds)
+        try:
+            for epoch in range(self.pos.epoch, config.epochs):
+                if not self._epoch(epoch):
+                    break
+            loop_seconds = max(time.perf_counter() - loop_start, 1e-9)
+            self.recovery.finish(self.pos.global_step)
+            result = self._result(loop_seconds)
+        finally:
+            if self.tracker is not None:
+                self.tracker.close()
         if self.par.is_main:
             if config.metrics_out:
                 write_metrics(result, config.metrics_out)
@@ -149,22 +192,28 @@ class _Run:
         loss_sum = torch.tensor(pos.loss_sum, dtype=torch.float64, device=par.device)
         loss_count = pos.loss_count
         reached = False
-        for i, (images, labels) in enumerate(loader, start=pos.batch):
-            loss = F.cross_entropy(self.model(images), labels)
-            self.optimizer.zero_grad()
-            par.backward(loss)
-            self.optimizer.step()
-            if len(labels):  # an empty share's mean loss is NaN (0/0), and NaN * 0 is still NaN
-                loss_sum += loss.detach().double() * len(labels)
-                loss_count += len(labels)
+        for i, batch in enumerate(self.timer.data(loader), start=pos.batch):
+            step = self.stepper(batch)
+            loss_sum += step.loss_sum
+            loss_count += step.samples
             global_batch = loader.share.total
             self.samples += global_batch
             self.steps += 1
             pos.global_step += 1
             self.recovery.step(pos.global_step)
-            self.progress.step(i, global_batch, loss)
+            self.progress.step(i, global_batch, step.loss)
+            if self.tracker is not None:
+                self.tracker.add(step, global_batch)
             if i % config.log_every == 0:
-                self.say(f"Epoch {epoch}, Step {i}, Loss: {loss.item()}")
+                self.say(f"Epoch {epoch}, Step {i}, Loss: {step.loss.item()}")
+                self.timer.flush()  # on a GPU: read the step timer's events (the loss above synchronised anyway)
+                if self.tracker is not None:
+                    self.tracker.log_step(
+                        step=pos.global_step,
+                        epoch=epoch,
+                        skipped_steps=par.precision.skipped_steps,
+                        step_seconds=self.timer.elapsed,
+                    )
             # counted from where this invocation started, so a restarted attempt stops where the first would have
             reached = config.max_steps is not None and pos.global_step - self.run_started_at >= config.max_steps
             if i + 1 == len(loader):
@@ -175,19 +224,35 @@ class _Run:
                 pos.loss_sum, pos.loss_count = _reduced_loss(par, loss_sum, loss_count)
                 self._save()
             if reached:
+                self.timer.stop()
                 self.progress.end_epoch()
                 return False
+        self.timer.stop()
         self.progress.end_epoch()
         total, count = _reduced_loss(par, loss_sum, loss_count)
         self.epoch_losses.append(total / max(count, 1))
+        self.epoch_accuracy.append(evaluate(par, self.model, self.splits.test, config.eval_batch_size))
         self.pos = _Position(epoch + 1, 0, pos.global_step)
-        self.say(f"Epoch {epoch} done: train loss {self.epoch_losses[-1]:.4f}")
+        self.say(
+            f"Epoch {epoch} done: train loss {self.epoch_losses[-1]:.4f}, test accuracy {self.epoch_accuracy[-1]:.2%}"
+        )
+        if self.tracker is not None:
+            self.tracker.log_epoch(
+                step=pos.global_step,
+                epoch=epoch,
+                train_loss=self.epoch_losses[-1],
+                test_accuracy=self.epoch_accuracy[-1],
+            )
         self._save()
         return not reached
 
     def _save(self) -> None:
         if self.checkpoints is not None:
-            _save(self.par, self.checkpoints, self.config, self.model, self.optimizer, self.pos)
+            extra = {
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "precision": self.par.precision.state_dict(),
+            }
+            _save(self.par, self.checkpoints, self.config, self.model, self.optimizer, self.pos, extra)
 
     def _result(self, loop_seconds: float) -> TrainResult:
         config, par, pos = self.config, self.par, self.pos
@@ -195,8 +260,12 @@ class _Run:
             train_loss = self.epoch_losses[-1]
         else:  # stopped inside the first epoch of this run: the partial epoch's mean
             train_loss = pos.loss_sum / pos.loss_count if pos.loss_count else float("nan")
+        if self.epoch_accuracy and pos.batch == 0:  # stopped at an epoch's end, just evaluated
+            test_accuracy = self.epoch_accuracy[-1]
+        else:
+            test_accuracy = evaluate(par, self.model, self.splits.test, config.eval_batch_size)
         return TrainResult(
-            test_accuracy=evaluate(par, self.model, self.splits.test, config.eval_batch_size),
+            test_accuracy=test_accuracy,
             train_loss=train_loss,
             epochs=config.epochs,
             samples_per_second=self.samples / loop_seconds,
@@ -218,6 +287,16 @@ class _Run:
             recovery_seconds=sum(r.recovery_seconds for r in self.recovery.recoveries),
             recoveries=[asdict(r) for r in self.recovery.recoveries],
             epoch_losses=self.epoch_losses,
+            epoch_test_accuracy=self.epoch_accuracy,
+            precision=par.precision.name,
+            accumulate=config.accumulate,
+            optimizer=config.optimizer,
+            optimizer_settings=optimizer_settings(self.optimizer),
+            lr_schedule=config.lr_schedule,
+            warmup_steps=config.warmup_steps,
+            clip_grad_norm=config.clip_grad_norm,
+            skipped_steps=par.precision.skipped_steps,
+            time_breakdown=time_breakdown(par, self.timer),
         )
 
 
@@ -265,6 +344,7 @@ def _save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     pos: _Position,
+    extra: dict[str, Any],
 ) -> None:
     state = {
         "model": par.unwrap(model).state_dict(),
@@ -276,18 +356,27 @@ def _save(
         "loss_count": pos.loss_count,
         "rng": rng_state(),
         "config": _identity(config),
+        **extra,
     }
     par.save(state, directory / checkpoint_name(pos.epoch, pos.batch))
     if par.is_main:
         prune_checkpoints(directory, config.keep_checkpoints)
 
 
-def _restore(path: Path, config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> _Position:
+def _restore(
+    path: Path,
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR | None,
+    precision: Precision,
+) -> _Position:
     state = load_checkpoint(path)
     for key in ("model", "optimizer", "epoch", "batch", "global_step", "config", "rng"):
         if key not in state:
             raise CheckpointError(f"checkpoint {path} has no {key!r} entry; it was not written by paratrain train")
     saved, wanted = state["config"], _identity(config)
+    saved = {**_IDENTITY_BEFORE, **saved}
     different = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
     if different:
         listed = ", ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in different.items())
@@ -301,6 +390,8 @@ def _restore(path: Path, config: TrainConfig, model: nn.Module, optimizer: torch
         optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit this model: {exc}") from exc
+    restore_scheduler(scheduler, state.get("scheduler"), f"checkpoint {path}")
+    precision.load_state_dict(state.get("precision") or {})
     set_rng_state(state["rng"])
     return _Position(
         epoch=int(state["epoch"]),

@@ -60,15 +60,27 @@ class TrainResult:
     steps_redone: int = 0  # steps trained again because a failure lost them (summed over restarts)
     recovery_seconds: float = 0.0  # from the last step before each failure to the first one after resuming
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # each restart's figures
+    epoch_test_accuracy: list[float] = field(default_factory=list)  # after each epoch this run trained
+    precision: str = "32"
+    accumulate: int = 1
+    optimizer: str = "sgd"
+    optimizer_settings: dict[str, Any] = field(default_factory=dict)  # as the optimizer holds them
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    clip_grad_norm: float | None = None
+    skipped_steps: int = 0  # optimizer steps 16-mixed skipped (inf/nan gradients), over the whole run
+    # each rank's average seconds per step waiting for data, in forward, backward, the optimizer and the rest
+    time_breakdown: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
+        skipped = f"  {self.skipped_steps} steps skipped (inf/nan gradients)" if self.skipped_steps else ""
         return (
             f"test accuracy {self.test_accuracy:.2%}  train loss {self.train_loss:.4f}  "
             f"wall {self.wall_seconds:.1f}s  {self.samples_per_second:,.0f} samples/s  "
-            f"strategy {self.strategy} on {', '.join(self.devices)}"
+            f"strategy {self.strategy} on {', '.join(self.devices)}{skipped}"
         )
 
 

@@ -1,0 +1,150 @@
+"""What ``paratrain train --log-dir DIR`` writes, from rank 0 only: TensorBoard events, metrics.csv, curves.png.
+
+    check_extras(tensorboard=True, plot=True)       # ConfigError naming the missing package, before any work
+    log = RunLog("runs/a", tensorboard=True, plot=True, resume_step=None)
+    log.scalars({"train/loss": 0.41, "train/lr": 0.01}, step=100, epoch=0)
+    log.plot()                                      # curves.png from metrics.csv
+    log.close()
+
+``metrics.csv`` has one row per value (``step,epoch,name,value``), so series logged at different moments (every
+few steps, every epoch) share one file that any spreadsheet or ``csv`` module reads. The TensorBoard event
+files hold the same series under the same names. A resumed run keeps the rows up to its checkpoint's step and
+appends after them; TensorBoard purges the later events the same way.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["CSV_NAME", "PLOT_NAME", "RunLog", "check_extras", "read_metrics"]
+
+CSV_NAME = "metrics.csv"
+PLOT_NAME = "curves.png"
+_COLUMNS = ("step", "epoch", "name", "value")
+# what each optional output needs: (what it writes, the package, the extra to install, the flag to do without)
+_EXTRAS = {
+    "tensorboard": ("TensorBoard event files", "tensorboard", "paratrain[tensorboard]", "--no-tensorboard"),
+    "plot": ("curves.png", "matplotlib", "paratrain[plot]", "--no-plot"),
+}
+
+
+def _missing(extra: str, error: BaseException | None = None) -> ConfigError:
+    writes, package, install, flag = _EXTRAS[extra]
+    found = f" ({error})" if error is not None else ""
+    return ConfigError(
+        f"--log-dir writes {writes}, which need the {package} package, not importable here{found}: "
+        f"pip install '{install}', or add {flag} to go without"
+    )
+
+
+def check_extras(*, tensorboard: bool, plot: bool) -> None:
+    """Raise ConfigError when a wanted optional package is not installed (cheap: nothing is imported)."""
+    for extra, wanted in (("tensorboard", tensorboard), ("plot", plot)):
+        if wanted and importlib.util.find_spec(_EXTRAS[extra][1]) is None:
+            raise _missing(extra)
+
+
+class RunLog:
+    """The log directory of one run (main process only).
+
+    Args:
+        directory: created if missing.
+        tensorboard: write TensorBoard event files (imports ``torch.utils.tensorboard`` now, not mid-run).
+        plot: draw ``curves.png`` on :meth:`plot` (imports matplotlib now).
+        resume_step: the optimizer step a resumed run continues after; rows and events after it are dropped.
+            None for a fresh run, which starts a new metrics.csv.
+
+    Raises:
+        ConfigError: an optional package that cannot be imported, or a directory that cannot be written.
+    """
+
+    def __init__(self, directory: str | Path, *, tensorboard: bool, plot: bool, resume_step: int | None) -> None:
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"--log-dir {directory}: cannot create it ({exc.strerror}); pick a writable path"
+            ) from exc
+        self._writer: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise _missing("tensorboard", exc) from exc
+            purge = {} if resume_step is None else {"purge_step": resume_step + 1}
+            self._writer = SummaryWriter(str(self.directory), **purge)
+        self._figure: Any = None
+        if plot:
+            try:
+                from matplotlib.figure import Figure
+            except ImportError as exc:
+                raise _missing("plot", exc) from exc
+            self._figure = Figure
+        self.csv_path = self.directory / CSV_NAME
+        kept = [] if resume_step is None else [r for r in read_metrics(self.csv_path) if int(r["step"]) <= resume_step]
+        self._file = self.csv_path.open("w", newline="")
+        self._csv = csv.writer(self._file)
+        self._csv.writerow(_COLUMNS)
+        self._csv.writerows([r[c] for c in _COLUMNS] for r in kept)
+        self._file.flush()
+
+    def scalars(self, values: dict[str, float], *, step: int, epoch: int) -> None:
+        """One value per series at ``step`` (optimizer steps so far) during ``epoch`` (0-based)."""
+        for name, value in values.items():
+            self._csv.writerow((step, epoch, name, repr(float(value))))
+            if self._writer is not None:
+                self._writer.add_scalar(name, value, step)
+        self._file.flush()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def plot(self) -> Path | None:
+        """Draw ``curves.png`` from metrics.csv: train loss against steps, test accuracy against epochs.
+
+        Returns its path (None when plotting is off).
+        """
+        if self._figure is None:
+            return None
+        rows = read_metrics(self.csv_path)
+
+        def series(name: str, by_epoch: bool = False) -> list[tuple[float, float]]:
+            x = "epoch" if by_epoch else "step"
+            return [(float(r[x]) + by_epoch, float(r["value"])) for r in rows if r["name"] == name]
+
+        figure = self._figure(figsize=(10, 4), dpi=100)
+        loss_axes, accuracy_axes = figure.subplots(1, 2)
+        for name, style, label in (("train/loss", "-", "logged steps"), ("epoch/train_loss", "o", "epoch mean")):
+            points = series(name)
+            if points:
+                loss_axes.plot(*zip(*points, strict=True), style, label=label)
+        loss_axes.set(title="train loss", xlabel="optimizer step", ylabel="cross-entropy")
+        if loss_axes.lines:
+            loss_axes.legend()
+        accuracy = series("epoch/test_accuracy", by_epoch=True)
+        if accuracy:
+            accuracy_axes.plot(*zip(*accuracy, strict=True), "o-")
+        accuracy_axes.set(title="test accuracy", xlabel="epoch", ylabel="accuracy")
+        figure.tight_layout()
+        path = self.directory / PLOT_NAME
+        figure.savefig(path)
+        return path
+
+    def close(self) -> None:
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a metrics.csv (none when the file does not exist)."""
+    if not Path(path).exists():
+        return []
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))

@@ -1,0 +1,333 @@
+"""paratrain train's ways of training: accumulation, optimizers and schedules, precision, logs, users' models."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from paratrain.cli import main
+from paratrain.errors import ConfigError
+from paratrain.parallel import seed_everything
+from paratrain.training import TrainConfig, train
+from paratrain.training.logs import read_metrics
+from paratrain.training.models import build_model
+from processes import finish, start_cli
+
+# a small job: 100 samples in global batches of 30, 30, 30 and 10, which every --accumulate below cuts unevenly
+SMALL = {"dataset": "random", "model": "mlp", "width": 32, "depth": 1, "batch_size": 30, "lr": 0.1, "quiet": True}
+SMALL_ARGS = ("--dataset", "random", "--model", "mlp", "--width", "32", "--depth", "1", "--batch-size", "30")
+
+
+def _params(directory: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(latest_checkpoint(directory))["model"]
+
+
+def _assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def one_step_per_batch(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("k1")
+    train(TrainConfig(checkpoint_dir=str(directory), epochs=2, **SMALL))
+    params = _params(directory)
+    seed_everything(0)
+    initial = build_model("mlp", (5,), 2, width=32, depth=1).state_dict()
+    assert max((params[k] - initial[k]).abs().max().item() for k in params) > 1e-2  # it trained
+    return params
+
+
+@pytest.mark.parametrize(
+    "strategy, devices, accumulate", [("single", "cpu", 4), ("single", "cpu", 3), ("dp", "cpu,cpu,cpu", 4)]
+)
+def test_accumulation_trains_the_same_parameters(one_step_per_batch, tmp_path, strategy, devices, accumulate):
+    config = TrainConfig(
+        strategy=strategy, devices=devices, accumulate=accumulate, checkpoint_dir=str(tmp_path), epochs=2, **SMALL
+    )
+    result = train(config)
+    assert result.accumulate == accumulate and result.steps == 2 * 4  # optimizer steps: one per global batch
+    _assert_same_params(_params(tmp_path), one_step_per_batch)
+
+
+def test_the_tutorials_job_accumulates_its_uneven_last_batch_exactly(tmp_path):
+    """Digits: 22 batches of 64 (micro-batches 22, 21, 21) and one of 29 (10, 10, 9), against one step each."""
+    train(TrainConfig(epochs=1, quiet=True, checkpoint_dir=str(tmp_path / "k1")))
+    train(TrainConfig(epochs=1, quiet=True, accumulate=3, checkpoint_dir=str(tmp_path / "k3")))
+    _assert_same_params(_params(tmp_path / "k3"), _params(tmp_path / "k1"))
+
+
+# --- AdamW, a cosine schedule, clipping, 16-mixed and accumulation together: a resume stays exact ---------------
+
+EVERYTHING = {
+    **SMALL,
+    "optimizer": "adamw",
+    "lr": 0.01,
+    "lr_schedule": "cosine",
+    "warmup_steps": 3,
+    "clip_grad_norm": 1.0,
+    "precision": "16-mixed",
+    "accumulate": 2,
+    "epochs": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("everything")
+    result = train(
+        TrainConfig(checkpoint_dir=str(directory / "ckpt"), metrics_out=str(directory / "m.json"), **EVERYTHING)
+    )
+    return result, directory
+
+
+def test_resume_with_schedule_scaler_and_adamw_is_exact(uninterrupted, tmp_path):
+    full, directory = uninterrupted
+    first = train(TrainConfig(checkpoint_dir=str(tmp_path), checkpoint_every=3, max_steps=7, **EVERYTHING))
+    assert first.steps == 7
+    state = load_checkpoint(latest_checkpoint(tmp_path))
+    assert (state["epoch"], state["batch"]) == (1, 3)  # 4 steps per epoch: stopped after step 7
+    assert state["scheduler"]["last_epoch"] == 7 - first.skipped_steps  # one per applied optimizer step
+    assert state["precision"]["name"] == "16-mixed" and "scale" in state["precision"]["scaler"]
+    resumed = train(TrainConfig(checkpoint_dir=str(tmp_path), resume="latest", **EVERYTHING))
+    assert resumed.model_fingerprint == full.model_fingerprint
+    end = load_checkpoint(latest_checkpoint(tmp_path))
+    assert (
+        end["scheduler"]["_last_lr"] == load_checkpoint(latest_checkpoint(directory / "ckpt"))["scheduler"]["_last_lr"]
+    )
+    assert end["scheduler"]["_last_lr"][0] == pytest.approx(0.0, abs=1e-12)  # cosine reached its end: lr 0
+    # another schedule cannot continue this run's: it would make the learning rate jump
+    with pytest.raises(Exception, match=r"schedule .* \(--warmup-steps"):
+        train(TrainConfig(checkpoint_dir=str(tmp_path), resume="latest", **{**EVERYTHING, "warmup_steps": 9}))
+    with pytest.raises(Exception, match=r"different run \(optimizer: checkpoint 'adamw', this run 'sgd'"):
+        train(
+            TrainConfig(checkpoint_dir=str(tmp_path), resume="latest", **{**EVERYTHING, "optimizer": "sgd", "lr": 0.1})
+        )
+
+
+def test_metrics_record_what_ran_per_epoch_and_where_the_time_went(uninterrupted):
+    full, directory = uninterrupted
+    metrics = json.loads((directory / "m.json").read_text())
+    assert metrics["epoch_test_accuracy"] == full.epoch_test_accuracy and len(full.epoch_test_accuracy) == 3
+    assert metrics["test_accuracy"] == metrics["epoch_test_accuracy"][-1]
+    assert metrics["optimizer"] == "adamw" and metrics["lr_schedule"] == "cosine" and metrics["precision"] == "16-mixed"
+    # torch's AdamW default, since none was asked for: the results say what was used
+    assert metrics["optimizer_settings"] == {"lr": 0.01, "weight_decay": 0.01, "betas": [0.9, 0.999]}
+    assert metrics["accumulate"] == 2 and metrics["clip_grad_norm"] == 1.0
+    assert metrics["skipped_steps"] == full.skipped_steps >= 0
+    breakdown = metrics["time_breakdown"]
+    assert breakdown["clock"] == "host" and breakdown["phases"] == ["data", "forward", "backward", "optimizer", "rest"]
+    (rank0,) = breakdown["ranks"]
+    assert rank0["rank"] == 0 and rank0["steps"] == 3 * 4
+    assert sum(rank0["shares"].values()) == pytest.approx(1.0)
+    assert sum(rank0["seconds"].values()) == pytest.approx(rank0["step_seconds"])
+    assert all(rank0["seconds"][phase] > 0 for phase in ("data", "forward", "backward", "optimizer"))
+
+
+# --- --log-dir -----------------------------------------------------------------------------------------------
+
+
+def test_log_dir_writes_the_series_from_the_main_process(tmp_path):
+    pytest.importorskip("matplotlib", reason="curves.png needs the plot extra (pip install 'paratrain[plot]')")
+    tensorboard = _has("tensorboard")
+    logs = tmp_path / "logs"
+    result = train(TrainConfig(epochs=2, log_every=2, log_dir=str(logs), tensorboard=tensorboard, **SMALL))
+    rows = read_metrics(logs / "metrics.csv")
+    names = {r["name"] for r in rows}
+    assert names == {
+        "train/loss",
+        "train/lr",
+        "train/samples_per_s",
+        "train/skipped_steps",
+        "epoch/train_loss",
+        "epoch/test_accuracy",
+    }
+    logged = [int(r["step"]) for r in rows if r["name"] == "train/loss"]
+    assert logged == [1, 3, 5, 7]  # batches 0 and 2 of each 4-batch epoch
+    accuracy = [float(r["value"]) for r in rows if r["name"] == "epoch/test_accuracy"]
+    assert accuracy == result.epoch_test_accuracy
+    assert (logs / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if tensorboard:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(logs))
+        events.Reload()
+        scalars = events.Scalars("epoch/test_accuracy")
+        assert [e.step for e in scalars] == [4, 8]
+        assert [e.value for e in scalars] == pytest.approx(accuracy)  # TensorBoard stores float32
+        assert len(list(logs.glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_resumed_run_continues_the_log_without_duplicates(tmp_path):
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    common = {"log_dir": str(logs), "log_every": 1, "tensorboard": False, "plot": False, "checkpoint_dir": str(ckpt)}
+    train(TrainConfig(epochs=2, checkpoint_every=3, max_steps=5, **common, **SMALL))
+    # as after a crash: resume from step 3 although steps 4 and 5 (an epoch's end among them) were logged
+    (at_step_3,) = [p for p in list_checkpoints(ckpt) if load_checkpoint(p)["global_step"] == 3]
+    train(TrainConfig(epochs=2, resume=str(at_step_3), **common, **SMALL))
+    rows = read_metrics(logs / "metrics.csv")
+    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == list(range(1, 9))
+    assert [int(r["step"]) for r in rows if r["name"] == "epoch/test_accuracy"] == [4, 8]
+
+
+def _has(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
+@pytest.mark.parametrize(
+    "missing, flags, message",
+    [
+        ("tensorboard", [], "need the tensorboard package, not importable here: pip install 'paratrain[tensorboard]'"),
+        (
+            "matplotlib",
+            ["--no-tensorboard"],
+            "need the matplotlib package, not importable here: pip install 'paratrain[plot]'",
+        ),
+    ],
+)
+def test_a_missing_extra_is_a_usage_error_before_training(monkeypatch, capsys, tmp_path, missing, flags, message):
+    monkeypatch.setitem(sys.modules, missing, None)  # what an environment without the package looks like
+    code = main(["train", "--quiet", "--log-dir", str(tmp_path / "logs"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "logs").exists()  # nothing started
+
+
+def test_without_extras_the_csv_is_still_written(monkeypatch, tmp_path):
+    for package in ("tensorboard", "matplotlib"):
+        monkeypatch.setitem(sys.modules, package, None)
+    logs = tmp_path / "logs"
+    train(TrainConfig(epochs=1, log_dir=str(logs), tensorboard=False, plot=False, **SMALL))
+    assert sorted(p.name for p in logs.iterdir()) == ["metrics.csv"]
+    assert {r["name"] for r in read_metrics(logs / "metrics.csv")} >= {"train/loss", "epoch/test_accuracy"}
+
+
+# --- bad input: one line, exit code 2, before anything runs -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+        (["--accumulate", "0"], "--accumulate must be at least 1"),
+        (["--batch-size", "2", "--accumulate", "4"], "--accumulate 4 cuts each global batch into 4 micro-batches"),
+        (["--clip-grad-norm", "-1"], "--clip-grad-norm must be positive; found -1.0"),
+        (["--betas", "0.9"], "--betas: expected two numbers separated by a comma"),
+        (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum is for --optimizer sgd"),
+        (["--betas", "0.8,0.99"], "--betas is for --optimizer adamw"),
+        (["--warmup-steps", "-2"], "--warmup-steps must be 0 or more"),
+        (["--tensorboard"], "--tensorboard writes into --log-dir; add --log-dir DIR"),
+        (["--model", "no_such_module_here:build"], "--model no_such_module_here:build: cannot import"),
+        (["--model", "resnet"], "unknown model 'resnet'; choose one of: simplenet, demo, mlp, cnn, or give your own"),
+    ],
+)
+def test_bad_settings_exit_2_with_one_line(capsys, args, message):
+    try:
+        code = main(["train", "--quiet", *args])
+    except SystemExit as exc:  # argparse's own errors (types, choices)
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    # one line says it (argparse prints its usage above it)
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("paratrain train: error: ")
+
+
+def test_a_log_dir_that_is_a_file_is_refused(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert main(["train", "--log-dir", str(blocker)]) == 2
+    assert f"--log-dir {blocker} is a file" in capsys.readouterr().err
+
+
+# --- --model module.path:callable ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    name = f"user_models_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
+            import math
+            from torch import nn
+
+            def two_args(input_shape, num_classes):
+                return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+            def no_args():
+                return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+
+            class Net(nn.Module):
+                def __init__(self, input_shape, num_classes):
+                    super().__init__()
+                    self.fc = nn.Linear(math.prod(input_shape), num_classes)
+
+                def forward(self, x):
+                    return self.fc(x.flatten(1))
+
+            def raises(input_shape, num_classes):
+                raise ValueError(f"no model for {num_classes} classes")
+
+            def not_a_module():
+                return 42
+
+            number = 3
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)  # the command imports from the current directory
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_a_users_model_trains(user_models):
+    for factory in ("two_args", "no_args", "Net"):
+        result = train(TrainConfig(model=f"{user_models}:{factory}", epochs=1, max_steps=3, quiet=True))
+        assert result.steps == 3 and result.model == f"{user_models}:{factory}"
+
+
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        ("raises", r"raises\(\(1, 28, 28\), 10\) raised ValueError: no model for 10 classes"),
+        ("not_a_module", "returned a int, not a torch.nn.Module"),
+        ("number", "'number' is a int, not a callable"),
+        ("missing", "has no attribute 'missing'"),
+    ],
+)
+def test_a_users_model_that_fails_says_which(user_models, factory, message):
+    with pytest.raises(ConfigError, match=message):
+        train(TrainConfig(model=f"{user_models}:{factory}", epochs=1, quiet=True))
+
+
+# --- ddp end to end: accumulation over processes, and one logger, not one per rank --------------------------
+
+
+def test_ddp_accumulates_like_one_device_and_only_rank_0_logs(one_step_per_batch, tmp_path):
+    tensorboard = "--tensorboard" if _has("tensorboard") else "--no-tensorboard"
+    plot = "--plot" if _has("matplotlib") else "--no-plot"
+    proc = start_cli(
+        *("train", "--quiet", "--strategy", "ddp", "--nproc-per-node", "2", "--epochs", "2", "--accumulate", "3"),
+        *(*SMALL_ARGS, "--lr", "0.1", "--log-dir", str(tmp_path / "logs"), "--log-every", "2", tensorboard, plot),
+        *("--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "m.json")),
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    finish(proc)
+    _assert_same_params(_params(tmp_path / "ckpt"), one_step_per_batch)
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert [r["rank"] for r in metrics["time_breakdown"]["ranks"]] == [0, 1]  # rank 0's file holds both
+    assert all(r["steps"] == 2 * 4 for r in metrics["time_breakdown"]["ranks"])
+    assert len(metrics["epoch_test_accuracy"]) == 2
+    rows = read_metrics(tmp_path / "logs" / "metrics.csv")
+    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == [1, 3, 5, 7]  # once each
+    if tensorboard == "--tensorboard":
+        assert len(list((tmp_path / "logs").glob("events.out.tfevents.*"))) == 1
