@@ -6,18 +6,22 @@ checks what is left on disk and what the next run does with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from paratrain.checkpoint import list_checkpoints, load_checkpoint
-from processes import cli_command, finish, run_cli, start_cli, worker_with_rank
+from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from paratrain.training import TrainConfig, train
+from processes import cli_command, descendants, finish, free_port, run_cli, start_cli, worker_with_rank
 
 # an MLP of 11.9M parameters: a 48 MB checkpoint whose write takes a few tenths of a second here
 BIG = ("--model", "mlp", "--width", "3072", "--depth", "2", "--quiet")
@@ -154,3 +158,54 @@ def test_restarts_without_checkpoints_are_refused():
     assert (
         "--max-restarts 1 restarts the workers after a failure" in result.stderr and "--checkpoint-dir" in result.stderr
     )
+
+
+# --- elastic membership: a lost node --------------------------------------------------------------------------
+
+ELASTIC_RUN = ("--strategy", "ddp", "--dataset", "digits60k", "--quiet", "--epochs", "1", "--max-steps", "240")
+ELASTIC_RUN += ("--checkpoint-every", "40", "--keep-checkpoints", "10")
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
+    """Two node agents (--nnodes 1:2, one process each); SIGKILL one agent's whole process tree mid-run."""
+    port, directory = free_port(), tmp_path / "ckpt"
+    common = (*ELASTIC_RUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-id", "lost")
+    common += ("--rdzv-endpoint", f"127.0.0.1:{port}", "--checkpoint-dir", str(directory))
+    env = {"OMP_NUM_THREADS": "1"}
+    survivor = start_cli("train", *common, "--metrics-out", str(tmp_path / "survivor.json"), env=env)
+    victim = None
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening(port):  # the first agent hosts the rendezvous store: it must be the survivor
+            assert survivor.poll() is None and time.monotonic() < deadline, "the first agent never listened"
+            time.sleep(0.1)
+        victim = start_cli("train", *common, "--metrics-out", str(tmp_path / "victim.json"), env=env)
+        while not (directory / "epoch-0000-step-000080.pt").exists():
+            assert survivor.poll() is None and victim.poll() is None, "an agent ended early"
+            assert time.monotonic() < deadline + 120, "no checkpoint at step 80"
+            time.sleep(0.01)
+        for pid in [victim.pid, *descendants(victim.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        finish(survivor, timeout=240)
+    finally:
+        for proc in (survivor, victim):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        for proc in (survivor, victim):
+            if proc is not None:
+                proc.communicate()
+    metrics = json.loads((tmp_path / "survivor.json").read_text())
+    assert metrics["world_size"] == 1 and metrics["restarts"] == 1
+    assert metrics["recoveries"][0]["resumed_at_step"] >= 80
+    reference = tmp_path / "reference"
+    train(TrainConfig(dataset="digits60k", epochs=1, max_steps=240, quiet=True, checkpoint_dir=str(reference)))
+    mine, theirs = (load_checkpoint(latest_checkpoint(d))["model"] for d in (directory, reference))
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], atol=1e-4, rtol=0)

@@ -11,6 +11,7 @@ From Python: ``train(TrainConfig(epochs=1, quiet=True))`` returns a :class:`~par
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -99,8 +100,12 @@ class _Run:
         self.checkpoints = Path(config.checkpoint_dir) if config.checkpoint_dir else None
         if self.checkpoints is not None and par.is_main:
             check_writable(self.checkpoints)
-        self.restart = restart_count()
-        self.resume_path = _find_resume(config, self.checkpoints, self.restart)
+        self.recovery = ProgressLog(self.checkpoints, enabled=par.is_main, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+        # a restart after a failure, or the group re-formed (a node joined or left) while this launch's run was
+        # unfinished; the main process keeps the record, so its answer holds in every process
+        continuing = torch.tensor([int(restart_count() > 0 or self.recovery.interrupted())], dtype=torch.int64)
+        self.continuing = bool(par.broadcast(continuing)[0])
+        self.resume_path = _find_resume(config, self.checkpoints, self.continuing)
         self.splits = load_dataset(config.dataset, config.data_dir)
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
         model = build_model_spec(
@@ -122,10 +127,9 @@ class _Run:
         self.pos = _Position()
         if self.resume_path is not None:
             self.pos = _restore(self.resume_path, config, model, optimizer, self.scheduler, par.precision)
-            again = f" after restart {self.restart}" if self.restart else ""
+            again = " after a restart" if self.continuing else ""
             self.say(f"Resuming{again} from {self.resume_path} (epoch {self.pos.epoch}, batch {self.pos.batch})")
-        self.recovery = ProgressLog(self.checkpoints, enabled=par.is_main, fresh=self.resume_path is None)
-        self.recovery.start(self.restart, self.pos.global_step)
+        self.recovery.start(self.pos.global_step, continuing=self.continuing)
         # where this invocation started, as the main process (which keeps the record) knows it: every rank must
         # stop at the same step
         started = torch.tensor([self.recovery.run_started_at], dtype=torch.int64)
@@ -282,7 +286,7 @@ class _Run:
             steps=self.steps,
             samples=self.samples,
             resumed_from=str(self.resume_path) if self.resume_path is not None else None,
-            restarts=self.restart,
+            restarts=len(self.recovery.recoveries),
             steps_redone=sum(r.steps_redone for r in self.recovery.recoveries),
             recovery_seconds=sum(r.recovery_seconds for r in self.recovery.recoveries),
             recoveries=[asdict(r) for r in self.recovery.recoveries],
@@ -307,9 +311,9 @@ def _reduced_loss(par: Parallel, loss_sum: torch.Tensor, count: int) -> tuple[fl
     return float(both[0]), int(both[1])
 
 
-def _find_resume(config: TrainConfig, checkpoints: Path | None, restart: int) -> Path | None:
+def _find_resume(config: TrainConfig, checkpoints: Path | None, continuing: bool) -> Path | None:
     """The checkpoint to start from: the one asked for, or after a restart the latest one written."""
-    if restart and checkpoints is not None:
+    if continuing and checkpoints is not None:
         # the launcher restarted this worker after a failure: continue from the newest checkpoint, which may be
         # newer than the one the first attempt resumed from
         latest = latest_checkpoint(checkpoints)

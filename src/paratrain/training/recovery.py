@@ -12,8 +12,9 @@ run reads it and records, once its first step after resuming is done:
   and restarting the workers, loading the checkpoint, and the first step again). Times are wall-clock seconds,
   so across machines they carry the machines' clock difference.
 
-    log = ProgressLog(Path("runs/a"), enabled=par.is_main, fresh=resumed_from is None)
-    log.start(restart=1, at_step=150)              # a restarted attempt, resumed at global step 150
+    log = ProgressLog(Path("runs/a"), enabled=par.is_main, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+    log.interrupted()                              # this launch's record, unfinished: a re-formed group
+    log.start(150, continuing=True)                # a restarted attempt, resumed at global step 150
     log.step(151)                                  # after every optimizer step: cheap, writes at most 1/s
 """
 
@@ -45,14 +46,13 @@ class Recovery:
 class ProgressLog:
     """The main process's record of its progress and recoveries in ``directory/progress.json``."""
 
-    def __init__(self, directory: Path | None, *, enabled: bool, fresh: bool) -> None:
+    def __init__(self, directory: Path | None, *, enabled: bool, run_id: str | None) -> None:
         self.path = directory / PROGRESS_FILE if directory is not None and enabled else None
-        previous = {} if fresh else self._read()  # a run started from scratch starts a new record
-        self.recoveries = [Recovery(**r) for r in previous.get("recoveries", [])]
-        self._last_step = int(previous.get("global_step", 0))
-        self._last_time = float(previous.get("time", 0.0))
-        self._run_started_at = previous.get("run_started_at")
-        self.run_started_at = 0  # the global step this invocation of the job started at, across restarts
+        self.run_id = run_id
+        self._previous = self._read()
+        self.recoveries: list[Recovery] = []
+        self.run_started_at = 0  # the global step this run started at, across restarts
+        self._last_step, self._last_time = 0, 0.0
         self._pending: tuple[int, int] | None = None  # (restart, resumed-at step) until the first step is done
         self._written = 0.0
 
@@ -65,17 +65,27 @@ class ProgressLog:
             return {}  # none yet, or unreadable: the recovery figures are then simply not known
         return found if isinstance(found, dict) else {}
 
-    def start(self, restart: int, at_step: int) -> None:
-        """This attempt (restart number ``restart``; 0: the first) starts at global step ``at_step``.
+    def interrupted(self) -> bool:
+        """True when the record is this launch's (``run_id``) and says it did not finish: a group re-formed after
+        a failure or a change of nodes, whatever restart count the launcher gave."""
+        previous = self._previous
+        return bool(self.run_id) and previous.get("run_id") == self.run_id and previous.get("finished") is False
 
-        A restart continues the same invocation: :attr:`run_started_at` stays where the first attempt started,
-        so limits such as ``--max-steps`` end every attempt at the same step.
+    def start(self, at_step: int, *, continuing: bool) -> None:
+        """This attempt starts at global step ``at_step``; ``continuing``: it continues an interrupted attempt of
+        the same run (a restart), whose record it extends, else the record starts afresh.
+
+        A continuing attempt keeps :attr:`run_started_at` where the first attempt started, so limits such as
+        ``--max-steps`` end every attempt at the same step, and records its recovery at its first step.
         """
-        self.run_started_at = at_step
-        if restart > 0 and self.path is not None:
-            self._pending = (restart, at_step)
-            if isinstance(self._run_started_at, int):
-                self.run_started_at = self._run_started_at
+        previous = self._previous if continuing else {}
+        self.recoveries = [Recovery(**r) for r in previous.get("recoveries", [])]
+        self._last_step = int(previous.get("global_step", 0))
+        self._last_time = float(previous.get("time", 0.0))
+        started = previous.get("run_started_at")
+        self.run_started_at = started if continuing and isinstance(started, int) else at_step
+        self._pending = (len(self.recoveries) + 1, at_step) if continuing and self.path is not None else None
+        self._written = 0.0
 
     def step(self, global_step: int) -> None:
         """An optimizer step finished: complete a pending recovery; write the progress, at most once a second."""
@@ -91,14 +101,16 @@ class ProgressLog:
             self._write(global_step, now)
 
     def finish(self, global_step: int) -> None:
-        """The run ends: record where."""
-        self._write(global_step, time.time())
+        """The run ends: record where, and that it finished (a later launch with the same id starts anew)."""
+        self._write(global_step, time.time(), finished=True)
 
-    def _write(self, global_step: int, now: float) -> None:
+    def _write(self, global_step: int, now: float, *, finished: bool = False) -> None:
         self._written = now
         if self.path is None:
             return
         payload = {
+            "run_id": self.run_id,
+            "finished": finished,
             "global_step": global_step,
             "time": now,
             "run_started_at": self.run_started_at,
