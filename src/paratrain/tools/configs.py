@@ -1,12 +1,12 @@
 """Parallel configurations written one way everywhere: the words after ``--configs``.
 
-    single                one device (cuda:0 on a GPU machine, else the CPU); single:cuda:1 names it
-    dp:cpu,cpu,cpu        paratrain's DataParallel over those devices, in this process
-    dp:cuda:0,cuda:1
-    ddp:2                 2 processes started through paratrain's launcher (one GPU each, or gloo on the CPU)
+single                one device (cuda:0 on a GPU machine, else the CPU); single:cuda:1 names it
+dp:cpu,cpu,cpu        paratrain's DataParallel over those devices, in this process
+dp:cuda:0,cuda:1
+ddp:2                 2 processes started through paratrain's launcher (one GPU each, or gloo on the CPU)
 
-    configs = parse_configs(["single", "dp:cpu,cpu", "ddp:2"])
-    why_not = unavailable_reason(configs[1])      # None when this machine can run it
+configs = parse_configs(["single", "dp:cpu,cpu", "ddp:2"])
+why_not = unavailable_reason(configs[1])      # None when this machine can run it
 """
 
 from __future__ import annotations

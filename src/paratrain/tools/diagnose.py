@@ -153,9 +153,15 @@ def randomness_causes(model: nn.Module, sample: torch.Tensor, seed: int, known_d
     return causes
 
 
-def gradient_scale(reference: Sequence[torch.Tensor | None], other: Sequence[torch.Tensor | None]) -> tuple[float, float]:
-    """The factor ``s`` that best fits ``reference ~ s * other`` over every gradient, and the fit's relative residual."""
-    pairs = [(a.double().flatten(), b.double().flatten()) for a, b in zip(reference, other, strict=True) if a is not None and b is not None]
+def gradient_scale(
+    reference: Sequence[torch.Tensor | None], other: Sequence[torch.Tensor | None]
+) -> tuple[float, float]:
+    """The factor ``s`` that best fits ``reference ~ s * other`` over all gradients, and the relative residual."""
+    pairs = [
+        (a.double().flatten(), b.double().flatten())
+        for a, b in zip(reference, other, strict=True)
+        if a is not None and b is not None
+    ]
     if not pairs:
         return 1.0, 0.0
     ref = torch.cat([a for a, _ in pairs])

@@ -48,7 +48,9 @@ def parse_input_shape(text: str) -> tuple[int, ...]:
     """
     parts = [p.strip() for p in text.split(",")]
     if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ConfigError(f"--input-shape: expected positive integers separated by commas, such as 3,32,32; found {text!r}")
+        raise ConfigError(
+            f"--input-shape: expected positive integers separated by commas, such as 3,32,32; found {text!r}"
+        )
     return tuple(int(p) for p in parts)
 
 
@@ -81,12 +83,14 @@ class RunSettings:
     precision: str = setting("32", "numeric precision (this version: 32)")
     accumulate: int = setting(1, "micro-batches per optimizer step (this version: 1)")
     seed: int = setting(0, "seeds the initial weights, the random data and the shuffle order")
-    configs: list[str] | None = setting(
-        None,
-        "configurations as separate words: single, dp:cpu,cpu,cpu, dp:cuda:0,cuda:1, ddp:2, ... (default: every "
-        "configuration this machine can run, up to 3 devices)",
-        nargs="+",
-        metavar="CONFIG",
+    configs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "configurations as separate words: single, dp:cpu,cpu,cpu, dp:cuda:0,cuda:1, ddp:2, ... "
+            "(default: every configuration this machine can run, up to 3 devices)",
+            "nargs": "+",
+            "metavar": "CONFIG",
+        },
     )
     report_out: str | None = setting(None, "write the report as JSON", metavar="FILE.json")
     timeout: float = setting(
@@ -95,6 +99,11 @@ class RunSettings:
 
     def validate(self) -> None:
         """Raise ConfigError for settings no run can use, before any work starts."""
+        self.validate_settings()
+
+    def validate_settings(self) -> None:
+        """What :meth:`validate` checks, under a name that ``PlanConfig`` keeps (its ``validate`` is the
+        ``--validate`` switch); subclasses extend this one."""
         if self.dataset is not None and self.dataset not in DATASET_NAMES:
             raise ConfigError(f"unknown dataset {self.dataset!r}; choose one of: {', '.join(DATASET_NAMES)}")
         if self.dataset is not None and self.input_shape is not None:

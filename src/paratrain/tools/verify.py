@@ -68,8 +68,8 @@ class VerifyConfig(RunSettings):
     rtol: float | None = setting(None, "relative tolerance, of each tensor's largest value (default: by dtype)")
     atol: float | None = setting(None, "absolute tolerance (default: by dtype)")
 
-    def validate(self) -> None:
-        super().validate()
+    def validate_settings(self) -> None:
+        super().validate_settings()
         if self.steps < 1:
             raise ConfigError(f"--steps must be at least 1; found {self.steps}")
         for name in ("rtol", "atol"):
@@ -241,8 +241,14 @@ def compare(
                 if not same:
                     ok = False
                     if first is None:
-                        first = {"step": step + 1, "parameter": name, "position": rank, "quantity": quantity,
-                                 "abs": d, "rel": r}
+                        first = {
+                            "step": step + 1,
+                            "parameter": name,
+                            "position": rank,
+                            "quantity": quantity,
+                            "abs": d,
+                            "rel": r,
+                        }
     return max_abs, max_rel, first, ok
 
 
@@ -261,7 +267,7 @@ def verify(config: VerifyConfig | None = None, /, **settings: Any) -> VerifyRepo
         config = VerifyConfig(**settings)
     elif settings:
         raise ConfigError("pass either a VerifyConfig or keyword settings, not both")
-    config.validate()
+    config.validate_settings()
     configs = parse_configs(config.configs)
     single = next((c for c in configs if c.strategy == "single"), None) or parse_configs(["single"])[0]
     work = Workload.load(config)

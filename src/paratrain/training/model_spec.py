@@ -32,9 +32,7 @@ def is_builtin_model(spec: str) -> bool:
     return spec in MODEL_NAMES
 
 
-def build_model_spec(
-    spec: str, input_shape: tuple[int, ...], num_classes: int, *, width: int, depth: int
-) -> nn.Module:
+def build_model_spec(spec: str, input_shape: tuple[int, ...], num_classes: int, *, width: int, depth: int) -> nn.Module:
     """The model ``spec`` names, for samples of ``input_shape`` and ``num_classes`` classes.
 
     Raises:
