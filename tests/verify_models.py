@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from torch import nn
 
-
 _UNSEEDED = np.random.default_rng()  # no seed_everything reaches it, and copies of a model share it
 
 
