@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from paratrain.cli import main
 from paratrain.errors import ConfigError
 from paratrain.tools import VerifyConfig, verify
 from processes import run_cli
@@ -27,38 +28,59 @@ def _with_tests_on_path() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module")
-def clean_report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("verify") / "verify.json"
-    args = ["--model", "verify_models:clean_net", "--input-shape", "6", "--num-classes", "3", "--batch-size", "12"]
-    configs = ["--configs", "single", "dp:cpu,cpu", "dp:cpu,cpu,cpu", "ddp:2", GPU_DP]
-    result = run_cli("verify", *args, *configs, "--steps", "2", "--report-out", str(out), env=_with_tests_on_path())
-    return result, json.loads(out.read_text())
-
-
-def test_a_clean_model_passes_every_configuration_at_rounding_level(clean_report):
-    result, report = clean_report
-    assert result.returncode == 0, result.stdout + result.stderr
-    verdicts = {c["config"]: c for c in report["configs"]}
-    for word in ("single", "dp:cpu,cpu", "dp:cpu,cpu,cpu", "ddp:2"):
-        assert verdicts[word]["status"] == "PASS", verdicts[word]
-        assert max(verdicts[word]["max_rel"].values()) < 1e-5  # float rounding, not a real difference
-        assert word in result.stdout
-    assert verdicts["single"]["max_abs"] == {"loss": 0.0, "gradient": 0.0, "parameter": 0.0}
-    assert report["ok"] is True and report["tolerance"]["rtol"] == 1e-5
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can run dp over GPUs")
-def test_a_configuration_this_machine_cannot_run_is_skipped_never_passed(clean_report):
-    result, report = clean_report
-    skipped = next(c for c in report["configs"] if c["config"] == GPU_DP)
-    assert skipped["status"] == "SKIPPED" and skipped["reason"] == "no CUDA device is visible on this machine"
-    assert "SKIPPED: no CUDA device is visible" in result.stdout
-
-
 def _verify(model: str, configs: list[str], **settings) -> dict:
     report = verify(VerifyConfig(model=f"verify_models:{model}", configs=configs, **{**SMALL, **settings}))
     return {v.config: v for v in report.verdicts} | {"report": report}
+
+
+@pytest.fixture(scope="module")
+def clean(monkeypatch_module):
+    return _verify("clean_net", ["single", "dp:cpu,cpu", "dp:cpu,cpu,cpu", "ddp:2", GPU_DP])
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in _with_tests_on_path().items():
+            patch.setenv(name, value)
+        yield patch
+
+
+def test_a_clean_model_passes_every_configuration_at_rounding_level(clean):
+    for word in ("single", "dp:cpu,cpu", "dp:cpu,cpu,cpu", "ddp:2"):
+        assert clean[word].status == "PASS", clean[word]
+        assert max(clean[word].max_rel.values()) < 1e-5  # float rounding, not a real difference
+    assert clean["single"].max_abs == {"loss": 0.0, "gradient": 0.0, "parameter": 0.0}
+    assert clean["ddp:2"].max_abs["gradient"] > 0  # ddp really ran: its sums round differently
+    report = clean["report"]
+    assert report.ok is True and report.rtol == 1e-5
+    assert "ddp:2" in report.render()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can run dp over GPUs")
+def test_a_configuration_this_machine_cannot_run_is_skipped_never_passed(clean):
+    skipped = clean[GPU_DP]
+    assert skipped.status == "SKIPPED" and skipped.reason == "no CUDA device is visible on this machine"
+    assert "SKIPPED: no CUDA device is visible" in clean["report"].render()
+
+
+def test_command_end_to_end_names_a_summed_loss_under_ddp(tmp_path):
+    out = tmp_path / "verify.json"
+    args = ["--model", "verify_models:clean_net", "--input-shape", "6", "--num-classes", "3", "--batch-size", "12"]
+    configs = ["--configs", "single", "dp:cpu,cpu", "ddp:2", GPU_DP]
+    result = run_cli(
+        "verify", *args, *configs, "--steps", "2", "--loss", "sum", "--report-out", str(out), env=_with_tests_on_path()
+    )
+    assert result.returncode == 1, result.stdout + result.stderr  # a finding that fails the check
+    report = json.loads(out.read_text())
+    verdicts = {c["config"]: c for c in report["configs"]}
+    # dp computes the loss on the gathered global batch, so a sum is the one device's sum
+    assert verdicts["dp:cpu,cpu"]["status"] == "PASS"
+    ddp = verdicts["ddp:2"]
+    assert ddp["status"] == "FAIL" and [c["name"] for c in ddp["causes"]] == ["sum-loss"]
+    assert "2.00 times smaller" in ddp["causes"][0]["found"] and "--loss sum" in ddp["causes"][0]["found"]
+    assert ddp["first_divergence"]["step"] == 1 and ddp["first_divergence"]["quantity"] == "gradient"
+    assert "likely cause (sum-loss)" in result.stdout and report["ok"] is False
 
 
 def _causes(verdict) -> list[str]:
@@ -102,16 +124,11 @@ def test_non_determinism_is_named():
     assert dp.status == "FAIL" and _causes(dp) == ["nondeterminism"]
 
 
-def test_a_summed_loss_is_named_under_ddp_and_harmless_under_dp(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", _with_tests_on_path()["PYTHONPATH"])
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    result = _verify("clean_net", ["single", "dp:cpu,cpu", "ddp:2"], loss="sum")
-    # dp computes the loss on the gathered global batch, so a sum is the one device's sum
-    assert result["dp:cpu,cpu"].status == "PASS"
-    ddp = result["ddp:2"]
-    assert ddp.status == "FAIL" and _causes(ddp) == ["sum-loss"]
-    assert "2.00 times smaller" in ddp.causes[0]["found"] and "--loss sum" in ddp.causes[0]["found"]
-    assert result["report"].ok is False
+def test_a_configuration_that_fails_to_run_is_an_error_not_a_pass():
+    result = _verify("picky_net", ["single", "dp:cpu,cpu"])
+    dp = result["dp:cpu,cpu"]
+    assert dp.status == "ERROR" and "PickyNet wants 12 samples, got 6" in dp.reason
+    assert result["report"].ok is False and "ERROR: " in result["report"].render()
 
 
 @pytest.mark.parametrize(
@@ -131,7 +148,7 @@ def test_settings_no_run_can_use_are_usage_errors(settings, message):
         VerifyConfig(**settings).validate()
 
 
-def test_usage_error_exits_2_with_one_line():
-    result = run_cli("verify", "--optimizer", "adamw")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().count("\n") == 0 and "supports --optimizer sgd only" in result.stderr
+def test_usage_error_exits_2_with_one_line(capsys):
+    assert main(["verify", "--optimizer", "adamw"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "supports --optimizer sgd only" in err and "Traceback" not in err

@@ -103,3 +103,20 @@ def raises(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
 
 def not_a_module(input_shape: tuple[int, ...], num_classes: int) -> object:
     return "a string"
+
+
+class PickyNet(nn.Module):
+    """Works on the whole batch of 12 only: a configuration that splits the batch fails to run."""
+
+    def __init__(self, features: int, num_classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 12:
+            raise ValueError(f"PickyNet wants 12 samples, got {x.shape[0]}")
+        return self.fc(x.flatten(1))
+
+
+def picky_net(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return PickyNet(_features(input_shape), num_classes)

@@ -271,11 +271,17 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
         if t.status == "OK" and base is not None:
             t.speedup = base.step_seconds / t.step_seconds
             t.efficiency = t.speedup / t.devices
+    cores = os.cpu_count() or 1
     if any(c.strategy == "ddp" for c in runnable) and not torch.cuda.is_available():
-        cores = os.cpu_count() or 1
+        threads = os.environ.get("OMP_NUM_THREADS", f"{cores} // N")
         notes.append(
-            f"on the CPU, ddp's processes share this machine's {cores} cores (each process gets "
-            f"{cores} // N threads), and dp's replicas are threads on the same cores: neither adds compute here"
+            f"on the CPU, ddp's N processes share this machine's {cores} cores ({threads} threads each): they "
+            "add no compute here, only communication"
+        )
+    if any(c.strategy == "dp" and "cpu" in c.devices for c in runnable):
+        notes.append(
+            f"dp's CPU replicas are threads on the same {cores} cores: they exercise the parallel code but add no "
+            "compute"
         )
     report = BenchReport(asdict(config), timings, notes)
     _write_outputs(report, config)

@@ -43,7 +43,8 @@ class Cause:
 def forward_order(model: nn.Module, sample: torch.Tensor) -> list[str]:
     """Parameter names in the order their modules first run in forward (hooks on a copy of ``model``).
 
-    Parameters of modules that never run (or that the hooks cannot see) follow, in registration order.
+    Parameters of modules that never run (or that the hooks cannot see) follow, in registration order; a
+    forward that fails on ``sample`` leaves registration order.
     """
     probe = copy.deepcopy(model)
     seen: list[nn.Module] = []
@@ -56,6 +57,8 @@ def forward_order(model: nn.Module, sample: torch.Tensor) -> list[str]:
     try:
         with torch.no_grad():
             probe(sample)
+    except Exception:  # the runs themselves will report the model's failure
+        seen.clear()
     finally:
         for h in handles:
             h.remove()
@@ -118,8 +121,11 @@ def probe_forward(model: nn.Module, sample: torch.Tensor, seed: int) -> tuple[bo
     for s in (seed, seed, seed + 1):
         replica = copy.deepcopy(model)  # buffers (BatchNorm statistics) start the same each time
         seed_everything(s)
-        with torch.no_grad():
-            out = replica(sample)
+        try:
+            with torch.no_grad():
+                out = replica(sample)
+        except Exception:  # a model that cannot run on the sample: nothing to tell from it
+            return False, False
         outputs.append(out.detach() if isinstance(out, torch.Tensor) else None)
     a, b, c = outputs
     if a is None or b is None or c is None:

@@ -152,57 +152,81 @@ class _Clock:
         return float(end - start)
 
 
-def measure_profile(work: Workload, device: torch.device, batch: int, steps: int, warmup: int) -> ComputeProfile:
-    """Medians of ``steps`` plain training steps at ``batch`` samples on ``device`` (no wrapper)."""
-    settings = work.settings
-    model = work.build_model().to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(settings, params)
-    loader = work.loader(batch).to(device)
-    clock = _Clock(device)
-    ready: list[Any] = [None] * len(params)
-    handles = [
-        p.register_post_accumulate_grad_hook(lambda _p, i=i: ready.__setitem__(i, clock.mark()))
-        for i, p in enumerate(params)
-    ]
-    phases: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "optimizer": []}
-    ready_times: list[list[float]] = [[] for _ in params]
-    order = loader.batch_indices()
-    try:
-        for i in range(warmup + steps):
+class _ProfileRun:
+    """Plain training steps (no wrapper) at one per-device batch and thread count, timed phase by phase."""
+
+    def __init__(self, work: Workload, device: torch.device, batch: int, threads: int) -> None:
+        self.work, self.batch, self.threads = work, batch, threads
+        self.model = work.build_model().to(device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(work.settings, self.params)
+        self.loader = work.loader(batch).to(device)
+        self.order = self.loader.batch_indices()
+        self.clock = _Clock(device)
+        self.device = device
+        self.ready: list[Any] = [None] * len(self.params)
+        self.handles = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self.ready.__setitem__(i, self.clock.mark()))
+            for i, p in enumerate(self.params)
+        ]
+        self.phases: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "optimizer": []}
+        self.ready_times: list[list[float]] = [[] for _ in self.params]
+
+    def step(self, record: bool) -> None:
+        clock = self.clock
+        with _threads(self.threads):
             t0 = clock.mark()
-            indices = next(order, None)
+            indices = next(self.order, None)
             if indices is None:
-                order = loader.batch_indices()
-                indices = next(order)
-            inputs, targets = loader.take(indices)
+                self.order = self.loader.batch_indices()
+                indices = next(self.order)
+            inputs, targets = self.loader.take(indices)
             t1 = clock.mark()
-            loss = work.loss(model(inputs), targets)
+            loss = self.work.loss(self.model(inputs), targets)
             t2 = clock.mark()
             loss.backward()
             t3 = clock.mark()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
             t4 = clock.mark()
-            if i < warmup:
-                continue
-            for name, (a, b) in zip(phases, ((t0, t1), (t1, t2), (t2, t3), (t3, t4)), strict=True):
-                phases[name].append(clock.seconds(a, b))
-            for j, mark in enumerate(ready):
-                ready_times[j].append(clock.seconds(t2, mark) if mark is not None else 0.0)
-    finally:
-        for h in handles:
+        if not record:
+            return
+        for name, (a, b) in zip(self.phases, ((t0, t1), (t1, t2), (t2, t3), (t3, t4)), strict=True):
+            self.phases[name].append(clock.seconds(a, b))
+        for j, mark in enumerate(self.ready):
+            self.ready_times[j].append(clock.seconds(t2, mark) if mark is not None else 0.0)
+
+    def profile(self, copy_repeats: int) -> ComputeProfile:
+        for h in self.handles:
             h.remove()
-    med = {name: statistics.median(values) for name, values in phases.items()}
-    return ComputeProfile(
-        batch,
-        med["data"],
-        med["forward"],
-        med["backward"],
-        med["optimizer"],
-        tuple(statistics.median(t) for t in ready_times),
-        _bucket_copy_seconds(params, device, steps),
-    )
+        med = {name: statistics.median(values) for name, values in self.phases.items()}
+        with _threads(self.threads):
+            copy = _bucket_copy_seconds(self.params, self.device, copy_repeats)
+        return ComputeProfile(
+            self.batch,
+            med["data"],
+            med["forward"],
+            med["backward"],
+            med["optimizer"],
+            tuple(statistics.median(t) for t in self.ready_times),
+            copy,
+        )
+
+
+def measure_profiles(
+    work: Workload, device: torch.device, shapes: list[tuple[int, int]], steps: int, warmup: int
+) -> dict[tuple[int, int], ComputeProfile]:
+    """Medians of ``steps`` plain training steps for each (per-device batch, threads) in ``shapes``.
+
+    The shapes take turns, one step each, the order rotating, so that a shared machine's changing load hits them
+    alike (measured one after another, a quiet minute would favour one world size over another).
+    """
+    runs = [_ProfileRun(work, device, batch, threads) for batch, threads in dict.fromkeys(shapes)]
+    for i in range(warmup + steps):
+        shift = i % len(runs)
+        for run in runs[shift:] + runs[:shift]:
+            run.step(record=i >= warmup)
+    return {(run.batch, run.threads): run.profile(steps) for run in runs}
 
 
 def _bucket_copy_seconds(params: list[torch.nn.Parameter], device: torch.device, repeats: int) -> float:
@@ -414,7 +438,6 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     ]
 
     # compute at the per-device batch (and, on the CPU, thread count) of every world size
-    profiles: dict[tuple[int, int], ComputeProfile] = {}
     shapes: dict[int, tuple[int, int, float]] = {}  # world size -> (batch, threads, slowdown)
     for n in range(1, config.max_world_size + 1):
         batch = math.ceil(config.batch_size / n)  # the largest share sets the pace
@@ -423,9 +446,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         else:
             threads, slowdown = _threads_per_process(min(n, per_node), cores)
         shapes[n] = (batch, threads, slowdown)
-        if (batch, threads) not in profiles:
-            with _threads(threads):
-                profiles[batch, threads] = measure_profile(work, device, batch, config.steps, config.warmup)
+    profiles = measure_profiles(work, device, [(b, t) for b, t, _ in shapes.values()], config.steps, config.warmup)
 
     # the all-reduce inside this machine, and how late the last rank arrives, with real processes
     local_links: dict[int, Link] = {}
