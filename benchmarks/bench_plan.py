@@ -57,6 +57,7 @@ def main() -> None:
             )
             entry = {"round": round_, "rows": [r.__dict__ for r in report.rows], "validation": report.validation}
             entry["parameters"] = report.inputs["parameters"]
+            entry["inputs"] = report.inputs
             results.setdefault(name, []).append(entry)
             errors = {v["config"]: v.get("error") for v in report.validation}
             print(

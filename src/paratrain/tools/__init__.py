@@ -9,7 +9,8 @@
 configs.py (the ``--configs`` words), settings.py (what all three share), workload.py (model, data,
 optimizer), runner.py and worker.py (a configuration here, or in launched processes), verify.py and diagnose.py,
 bench.py and plot.py, plan.py, plan_measure.py (what it measures), plan_model.py (the prediction: pure),
-allreduce_probe.py, report.py. Nothing in the engine imports this package; ``paratrain.verify`` etc. load it on first use.
+allreduce_probe.py, report.py. Nothing in the engine imports this package; ``paratrain.verify`` etc. load it on
+first use.
 """
 
 from .bench import BenchConfig, BenchReport, bench

@@ -74,7 +74,12 @@ def work_unit(device: torch.device) -> Callable[[], None]:
 
 
 def measure_sync(bursts: dict[int, int], device: torch.device) -> dict[str, float]:
-    """Per group size: median(burst then a 4-byte all-reduce) - median(burst alone), every rank bursting."""
+    """Per group size: a step of (burst, 4-byte all-reduce) against a step of burst alone, every rank bursting.
+
+    The steps run back to back, as training steps do (a barrier before each would let the ranks start together,
+    and a process that sleeps at every barrier is woken sooner than one that computes all the time); the
+    difference of the medians is what each step pays for the ranks' meeting.
+    """
     world = dist.get_world_size()
     unit = work_unit(device)
     tiny = torch.zeros(1, device=device)
@@ -83,13 +88,13 @@ def measure_sync(bursts: dict[int, int], device: torch.device) -> dict[str, floa
         group = dist.new_group(list(range(n))) if n < world else dist.group.WORLD
         member = dist.get_rank() < n
         units = bursts.get(n, 0)
-        alone: list[float] = []
-        synced: list[float] = []
-        for i in range(_WARMUP + 3 * _REPEATS):
-            for with_reduce, into in ((False, alone), (True, synced)):
-                dist.barrier()
-                if not member:
-                    continue
+        medians = []
+        for with_reduce in (False, True, False, True):  # twice each, interleaved: drift hits both alike
+            dist.barrier()
+            if not member:
+                continue
+            times = []
+            for _ in range(_WARMUP + 3 * _REPEATS):
                 start = time.perf_counter()
                 for _ in range(units):
                     unit()
@@ -97,10 +102,11 @@ def measure_sync(bursts: dict[int, int], device: torch.device) -> dict[str, floa
                     dist.all_reduce(tiny, group=group)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                if i >= _WARMUP:
-                    into.append(time.perf_counter() - start)
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times[_WARMUP:]))
         if member:
-            sync[str(n)] = max(0.0, statistics.median(synced) - statistics.median(alone))
+            alone, synced = (medians[0] + medians[2]) / 2, (medians[1] + medians[3]) / 2
+            sync[str(n)] = max(0.0, synced - alone)
     return sync
 
 
