@@ -225,7 +225,6 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
             "--link-bandwidth GB/S and --link-latency SECONDS, or measure it with `paratrain launch --nnodes ... "
             "-m paratrain.tools.allreduce_probe FILE` and pass --link-file FILE"
         )
-    assumptions: list[str] = []
     work = Workload.load(config)
     model = work.build_model()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -300,40 +299,8 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     rows = scaling_rows(steps, config.batch_size, per_device)
     recommended = recommend(rows, config.min_efficiency)
 
-    assumptions.append(
-        f"model {config.model}: {param_count:,} parameters ({param_count * 4 / 2**20:.1f} MiB of float32 gradients), "
-        f"{len(buckets)} bucket(s) as our DDP builds them (first {FIRST_BUCKET_BYTES // 2**20} MiB, then "
-        f"{DDP_BUCKET_CAP_BYTES // 2**20} MiB): {', '.join(f'{b.nbytes / 2**20:.2f}' for b in buckets)} MiB"
-    )
-    assumptions.append(
-        f"global batch {config.batch_size} split N ways; each device runs the largest share, ceil(batch / N); "
-        f"compute measured on {device} in this process, medians of {config.steps} steps"
-    )
-    if not gpus:
-        thread_text = ", ".join(f"N={r['world_size']}: {r['threads_per_process']}" for r in inputs_rows)
-        assumptions.append(
-            f"CPU: the N processes share this machine's {cores} cores; compute measured at the threads each process "
-            f"gets ({thread_text}), slowed by N x threads / cores beyond one process per core"
-        )
-    for n, link in local_links.items():
-        assumptions.append(
-            f"all-reduce among {n} processes here ({'nccl' if gpus else 'gloo'}, measured): "
-            f"{link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {link.bandwidth / 1e9:.2f} GB/s; the last rank "
-            f"reaches a bucket {sync.get(n, 0.0) * 1e3:.2f} ms after this one (measured after a compute burst)"
-        )
-    if local_links and max(local_links) < local_max:
-        assumptions.append(
-            f"world sizes {max(local_links) + 1}..{local_max} on this machine: extrapolated from "
-            f"{max(local_links)} processes"
-        )
-    if remote_link is not None:
-        assumptions.append(
-            f"world sizes above {per_node} span machines: ring all-reduce over the link, "
-            f"{remote_link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {remote_link.bandwidth / 1e9:.2f} GB/s"
-        )
-    assumptions.append(
-        "overlap as our reducer runs it: a bucket's all-reduce starts when its gradients are ready, in bucket "
-        "order, one at a time; backward ends when the last one finishes; ddp only (dp is not modelled)"
+    assumptions = _assumptions(
+        config, str(device), cores, param_count, buckets, inputs_rows, local_links, sync, remote_link, per_node
     )
     inputs = {
         "device": str(device),
@@ -353,6 +320,61 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     if config.report_out:
         write_json(report.as_dict(), config.report_out)
     return report
+
+
+def _assumptions(
+    config: PlanConfig,
+    device: str,
+    cores: int,
+    param_count: int,
+    buckets: list[BucketSpec],
+    inputs_rows: list[dict[str, Any]],
+    local_links: dict[int, Link],
+    sync: dict[int, float],
+    remote_link: Link | None,
+    per_node: int,
+) -> list[str]:
+    """What the prediction takes as given, in words, for the printed report."""
+    gpus = device.startswith("cuda")
+    local_max = min(config.max_world_size, per_node)
+    assumptions: list[str] = []
+    assumptions.append(
+        f"model {config.model}: {param_count:,} parameters ({param_count * 4 / 2**20:.1f} MiB of float32 gradients), "
+        f"{len(buckets)} bucket(s) as our DDP builds them (first {FIRST_BUCKET_BYTES // 2**20} MiB, then "
+        f"{DDP_BUCKET_CAP_BYTES // 2**20} MiB): {', '.join(f'{b.nbytes / 2**20:.2f}' for b in buckets)} MiB"
+    )
+    assumptions.append(
+        f"global batch {config.batch_size} split N ways; each device runs the largest share, ceil(batch / N); "
+        f"compute measured on {device} in this process, medians of {config.steps} steps"
+    )
+    if not gpus:
+        thread_text = ", ".join(f"N={r['world_size']}: {r['threads_per_process']}" for r in inputs_rows)
+        assumptions.append(
+            f"CPU: the N processes share this machine's {cores} cores; compute measured at the threads each process "
+            f"gets ({thread_text}), slowed by N x threads / cores beyond one process per core"
+        )
+    for n, link in local_links.items():
+        assumptions.append(
+            f"all-reduce among {n} processes here ({'nccl' if gpus else 'gloo'}, measured): "
+            f"{link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {link.bandwidth / 1e9:.2f} GB/s; the ranks meet "
+            f"{sync.get(n, 0.0) * 1e3:.2f} ms late per step (measured: steps of the model's compute length, with "
+            "and without a tiny all-reduce)"
+        )
+    if local_links and max(local_links) < local_max:
+        assumptions.append(
+            f"world sizes {max(local_links) + 1}..{local_max} on this machine: extrapolated from "
+            f"{max(local_links)} processes"
+        )
+    if remote_link is not None:
+        assumptions.append(
+            f"world sizes above {per_node} span machines: ring all-reduce over the link, "
+            f"{remote_link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {remote_link.bandwidth / 1e9:.2f} GB/s"
+        )
+    assumptions.append(
+        "overlap as our reducer runs it: a bucket's all-reduce starts when its gradients are ready, in bucket "
+        "order, one at a time; backward ends when the last one finishes; ddp only (dp is not modelled)"
+    )
+    return assumptions
 
 
 def _probe_sizes(buckets: list[BucketSpec]) -> tuple[int, ...]:
