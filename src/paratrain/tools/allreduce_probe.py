@@ -74,11 +74,12 @@ def work_unit(device: torch.device) -> Callable[[], None]:
 
 
 def measure_sync(bursts: dict[int, int], device: torch.device) -> dict[str, float]:
-    """Per group size: a step of (burst, 4-byte all-reduce) against a step of burst alone, every rank bursting.
+    """Per group size: what a step of (burst, 4-byte all-reduce) costs more than a step of burst alone.
 
     The steps run back to back, as training steps do (a barrier before each would let the ranks start together,
-    and a process that sleeps at every barrier is woken sooner than one that computes all the time); the
-    difference of the medians is what each step pays for the ranks' meeting.
+    and a process that sleeps at every barrier is woken sooner than one that computes all the time), alternating
+    with and without the all-reduce; the median of each adjacent pair's difference is robust to the load of a
+    shared machine drifting during the measurement.
     """
     world = dist.get_world_size()
     unit = work_unit(device)
@@ -88,13 +89,13 @@ def measure_sync(bursts: dict[int, int], device: torch.device) -> dict[str, floa
         group = dist.new_group(list(range(n))) if n < world else dist.group.WORLD
         member = dist.get_rank() < n
         units = bursts.get(n, 0)
-        medians = []
-        for with_reduce in (False, True, False, True):  # twice each, interleaved: drift hits both alike
-            dist.barrier()
-            if not member:
-                continue
-            times = []
-            for _ in range(_WARMUP + 3 * _REPEATS):
+        dist.barrier()
+        if not member:
+            continue
+        differences = []
+        for i in range(_WARMUP + 3 * _REPEATS):
+            pair = []
+            for with_reduce in (False, True):
                 start = time.perf_counter()
                 for _ in range(units):
                     unit()
@@ -102,11 +103,10 @@ def measure_sync(bursts: dict[int, int], device: torch.device) -> dict[str, floa
                     dist.all_reduce(tiny, group=group)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - start)
-            medians.append(statistics.median(times[_WARMUP:]))
-        if member:
-            alone, synced = (medians[0] + medians[2]) / 2, (medians[1] + medians[3]) / 2
-            sync[str(n)] = max(0.0, synced - alone)
+                pair.append(time.perf_counter() - start)
+            if i >= _WARMUP:
+                differences.append(pair[1] - pair[0])
+        sync[str(n)] = max(0.0, statistics.median(differences))
     return sync
 
 
