@@ -275,7 +275,7 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
     if any(c.strategy == "ddp" for c in runnable) and not torch.cuda.is_available():
         threads = os.environ.get("OMP_NUM_THREADS", f"{cores} // N")
         notes.append(
-            f"on the CPU, ddp's N processes share this machine's {cores} cores ({threads} threads each): they "
+            f"on the CPU, ddp's N processes share this machine's {cores} cores ({threads} thread(s) each): they "
             "add no compute here, only communication"
         )
     if any(c.strategy == "dp" and "cpu" in c.devices for c in runnable):
