@@ -244,7 +244,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         shapes[n] = (batch, threads, slowdown)
     profiles = measure_profiles(work, device, [(b, t) for b, t, _ in shapes.values()], config.steps, config.warmup)
 
-    # the all-reduce inside this machine, and how late the last rank arrives, with real processes
+    # the all-reduce inside this machine, and what the ranks' meeting costs per step, with real processes
     local_links: dict[int, Link] = {}
     sync: dict[int, float] = {}
     link_samples: list[list[float]] = []
