@@ -15,10 +15,11 @@ import paratrain
 from paratrain.cli import build_parser
 from paratrain.cli.options import flag_of
 from paratrain.launch import LaunchConfig
+from paratrain.tools import BenchConfig, PlanConfig, VerifyConfig
 from paratrain.training import TrainConfig
 
 PACKAGE = Path(paratrain.__file__).parent
-APPLICATION = ("training", "cli")
+APPLICATION = ("training", "cli", "tools")
 # beside the engine but not of it: `python -m paratrain` (the command line's entry point), and the alias kept so
 # that `from paratrain.models import SimpleNet` (as earlier READMEs showed it) still works
 NOT_ENGINE = ("__main__.py", "models.py")
@@ -31,6 +32,20 @@ def test_public_api_is_explicit():
     public = {n for n in dir(paratrain) if not n.startswith("_")}
     modules = {n for n in public if type(getattr(paratrain, n)).__name__ == "module"}
     assert public - modules == set(paratrain.__all__) - {"__version__"}
+
+
+def test_tools_load_on_first_use_only():
+    # paratrain.verify/bench/plan come from the application's tools package, imported by __getattr__ when asked
+    code = (
+        "import sys, json, paratrain; before = 'paratrain.tools' in sys.modules; f = paratrain.verify; "
+        "print(json.dumps([before, 'paratrain.tools' in sys.modules, f.__module__]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [False, True, "paratrain.tools.verify"]
+    for name in ("verify", "bench", "plan"):
+        assert callable(getattr(paratrain, name)) and name in dir(paratrain)
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        paratrain.nonsense  # noqa: B018
 
 
 def test_import_paratrain_loads_the_engine_only():
@@ -71,7 +86,15 @@ def test_engine_code_never_imports_the_application(path):
 
 
 @pytest.mark.parametrize(
-    "settings, command", [(TrainConfig, "train"), (LaunchConfig, "train"), (LaunchConfig, "launch")]
+    "settings, command",
+    [
+        (TrainConfig, "train"),
+        (LaunchConfig, "train"),
+        (LaunchConfig, "launch"),
+        (VerifyConfig, "verify"),
+        (BenchConfig, "bench"),
+        (PlanConfig, "plan"),
+    ],
 )
 def test_every_setting_has_its_flag_with_its_default(settings, command):
     parser = build_parser()

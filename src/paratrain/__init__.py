@@ -5,9 +5,13 @@ model = paratrain.DataParallel(model, device_ids=[0, 1])
 par = paratrain.Parallel("auto")      # single, dp or ddp; then par.prepare(model, optimizer, loader)
 
 ``import paratrain`` loads the engine only (the modules beside this one). The training application
-(``paratrain.training``: the train job, datasets, models) and the command line (``paratrain.cli``) load when
-something asks for them.
+(``paratrain.training``: the train job, datasets, models), the tools (``paratrain.tools``: verify, bench,
+plan) and the command line (``paratrain.cli``) load when something asks for them: ``paratrain.verify(...)``,
+``paratrain.bench(...)`` and ``paratrain.plan(...)`` import ``paratrain.tools`` on first use.
 """
+
+import importlib as _importlib
+from typing import Any as _Any
 
 from .data_parallel import DataParallel
 from .distributed import DistributedDataParallel
@@ -42,8 +46,24 @@ __all__ = [
     "ScatterError",
     "Strategy",
     "__version__",
+    "bench",
     "gather",
+    "plan",
     "scatter",
     "seed_everything",
     "split_sizes",
+    "verify",
 ]
+
+_TOOLS = ("bench", "plan", "verify")  # provided by paratrain.tools, imported on first access (PEP 562)
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _TOOLS:
+        # the application is loaded here, on demand, never by `import paratrain`
+        return getattr(_importlib.import_module(f"{__name__}.tools"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_TOOLS])

@@ -4,6 +4,9 @@ paratrain train                           # the MNIST DataParallel tutorial's jo
 paratrain launch --nproc-per-node 2 x.py  # any script, through torchrun
 paratrain env                             # versions, GPUs, distributed backends
 paratrain demo --devices cpu,cpu,cpu      # the DataParallel tutorial's demo: how each batch is split
+paratrain verify                          # does every configuration train like one device?
+paratrain bench                           # how much faster is each configuration?
+paratrain plan --max-world-size 8         # how much faster will N devices be?
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ from collections.abc import Sequence
 from ..collectives import wedged
 from ..errors import ConfigError, ParatrainError
 from ..version import __version__
+from .bench import add_bench_parser
 from .demo import add_demo_parser
 from .env import add_env_parser
 from .launch import add_launch_parser
+from .plan import add_plan_parser
 from .train import add_train_parser
+from .verify import add_verify_parser
 
 __all__ = ["EXIT_RUNTIME", "EXIT_USAGE", "build_parser", "main"]
 
@@ -38,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_parser(commands)
     add_env_parser(commands)
     add_demo_parser(commands)
+    add_verify_parser(commands)
+    add_bench_parser(commands)
+    add_plan_parser(commands)
     return parser
 
 

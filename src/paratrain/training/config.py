@@ -20,7 +20,7 @@ from ..precision import PRECISIONS
 from ..strategies import STRATEGY_NAMES
 from .datasets import DATASET_NAMES
 from .logs import check_extras
-from .model_spec import check_model_spec, is_model_spec
+from .model_spec import MODEL_SPEC_HELP, check_model_spec, is_model_spec
 from .models import MODEL_NAMES
 from .optimizers import DEFAULT_BETAS, LR_SCHEDULES, OPTIMIZERS
 
@@ -40,8 +40,7 @@ class TrainConfig:
 
     model: str = _setting(
         "simplenet",
-        f"the model to train: one of {', '.join(MODEL_NAMES)}, or your own as module.path:callable, called with "
-        f"(input_shape, num_classes) when it takes two arguments, else with none, returning an nn.Module",
+        MODEL_SPEC_HELP,
         metavar="NAME|module:callable",
     )
     dataset: str = _setting("digits", "the data: digits (offline), digits60k, mnist, random", choices=DATASET_NAMES)

@@ -21,9 +21,15 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
-from .models import build_model
+from .models import MODEL_NAMES, build_model
 
-__all__ = ["build_model_spec", "check_model_spec", "is_model_spec"]
+__all__ = ["MODEL_SPEC_HELP", "build_model_spec", "check_model_spec", "is_model_spec"]
+
+# the help of every --model flag (train, verify, bench, plan)
+MODEL_SPEC_HELP = (
+    f"the model: one of {', '.join(MODEL_NAMES)}, or your own as module.path:callable, called with "
+    f"(input_shape, num_classes) when it takes two arguments, else with none, returning an nn.Module"
+)
 
 
 def is_model_spec(spec: str) -> bool:

@@ -1,0 +1,312 @@
+"""``paratrain bench``: how fast is each configuration on the user's model, and where does its step go?
+
+    paratrain bench                                             # every configuration this machine can run
+    paratrain bench --model mlp --width 2048 --configs single ddp:2 --report-out bench.json
+    paratrain bench --steps 50 --repeats 5 --markdown-out bench.md --plot-out bench.png
+
+Each configuration runs ``--warmup`` untimed steps, then ``--steps`` timed ones, and that ``--repeats`` times,
+round robin over the configurations (the order rotating each round) so that drift of a shared machine hits all of
+them alike. Each step is split into data wait, forward (with the loss), backward (with the synchronisation it
+does not hide) and optimizer; the report gives medians over steps and repeats, samples/s, and speed-up and
+scaling efficiency against ``single``, which is added when not listed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..parallel import Parallel
+from .configs import RunConfig, parse_configs, unavailable_reason
+from .report import format_markdown, format_table, write_json, write_text
+from .runner import ConfigRunError, run_config
+from .settings import RunSettings, setting
+from .workload import Workload, build_optimizer, endless
+
+__all__ = ["PHASES", "BenchConfig", "BenchReport", "ConfigTiming", "bench"]
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+@dataclass
+class BenchConfig(RunSettings):
+    """Settings of ``paratrain bench``."""
+
+    warmup: int = setting(3, "untimed steps before each timed run")
+    steps: int = setting(20, "timed steps per run")
+    repeats: int = setting(3, "runs of each configuration, round robin; the report takes medians")
+    markdown_out: str | None = setting(
+        None, "write the table as Markdown (default: beside --report-out, as .md)", metavar="FILE.md"
+    )
+    plot_out: str | None = setting(
+        None,
+        "write a PNG plot of samples/s and efficiency against devices (needs matplotlib: pip install "
+        "'paratrain[plot]'; default: beside --report-out, as .png, when matplotlib is installed)",
+        metavar="FILE.png",
+    )
+
+    def validate_settings(self) -> None:
+        super().validate_settings()
+        checks = [
+            (self.warmup >= 0, f"--warmup must be 0 or more; found {self.warmup}"),
+            (self.steps >= 1, f"--steps must be at least 1; found {self.steps}"),
+            (self.repeats >= 1, f"--repeats must be at least 1; found {self.repeats}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        if self.plot_out is not None and not plotting_available():
+            raise ConfigError(
+                f"--plot-out {self.plot_out} needs matplotlib, which is not installed; pip install "
+                "'paratrain[plot]' (or matplotlib), or drop --plot-out"
+            )
+
+
+SETTINGS = BenchConfig
+
+
+def plotting_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- one timed run (here, or in each ddp rank) -------------------------------------------------------------------
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def run_in(par: Parallel, settings: BenchConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    """``warmup`` + ``steps`` steps under ``par``; seconds of each phase of each timed step."""
+    work = Workload.load(settings)
+    model = work.build_model()
+    optimizer = build_optimizer(settings, model.parameters())
+    model, optimizer, loader = par.prepare(model, optimizer, work.loader())
+    sync = _synchronizer(par.device)
+    batches = endless(loader)
+    phases: dict[str, list[float]] = {name: [] for name in PHASES}
+    for i in range(settings.warmup + settings.steps):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        sync()
+        spent = dict.fromkeys(PHASES, 0.0)
+        spent["data"] = time.perf_counter() - t0
+        for inputs, targets in par.accumulate(model, batch, steps=settings.accumulate):
+            t1 = time.perf_counter()
+            loss = work.loss(model(inputs), targets)
+            sync()
+            t2 = time.perf_counter()
+            par.backward(loss)  # under ddp, on the last micro-batch: returns when every bucket is averaged
+            sync()
+            spent["forward"] += t2 - t1
+            spent["backward"] += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        par.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        spent["optimizer"] = time.perf_counter() - t3
+        if i >= settings.warmup:
+            for name in PHASES:
+                phases[name].append(spent[name])
+    return {"phases": phases, "threads": torch.get_num_threads(), "device": str(par.device)}
+
+
+# -- the report ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConfigTiming:
+    """One configuration's medians; speed-up and efficiency are against single's step time."""
+
+    config: str
+    strategy: str
+    devices: int
+    status: str = "OK"  # OK, SKIPPED, ERROR
+    reason: str = ""
+    step_seconds: float = 0.0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    samples_per_second: float = 0.0
+    speedup: float = 0.0
+    efficiency: float = 0.0
+    repeat_step_seconds: list[float] = field(default_factory=list)  # the median step of each repeat
+    threads_per_process: int = 0
+
+
+@dataclass
+class BenchReport:
+    settings: dict[str, Any]
+    timings: list[ConfigTiming]
+    notes: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return all(t.status != "ERROR" for t in self.timings)
+
+    def timing(self, config: str) -> ConfigTiming:
+        return next(t for t in self.timings if t.config == config)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "command": "bench",
+            "ok": self.ok,
+            "settings": self.settings,
+            "notes": self.notes,
+            "configs": [asdict(t) for t in self.timings],
+        }
+
+    def rows(self) -> tuple[list[str], list[list[str]]]:
+        headers = [
+            "configuration",
+            "devices",
+            "step ms",
+            "data",
+            "forward",
+            "backward+sync",
+            "optimizer",
+            "samples/s",
+            "speed-up",
+            "efficiency",
+        ]
+        rows = []
+        for t in self.timings:
+            if t.status != "OK":
+                rows.append([t.config, str(t.devices), f"{t.status}: {t.reason}"] + [""] * 7)
+                continue
+            p = t.phase_seconds
+            rows.append(
+                [t.config, str(t.devices), f"{t.step_seconds * 1e3:.2f}"]
+                + [f"{p[name] * 1e3:.2f}" for name in PHASES]
+                + [f"{t.samples_per_second:,.0f}", f"{t.speedup:.2f}x", f"{t.efficiency:.0%}"]
+            )
+        return headers, rows
+
+    def render(self) -> str:
+        headers, rows = self.rows()
+        s = self.settings
+        lines = [
+            format_table(headers, rows),
+            f"medians of {s['repeats']} round-robin repeats x {s['steps']} steps after {s['warmup']} warm-up steps; "
+            f"global batch {s['batch_size']}; phases in ms per step",
+            *self.notes,
+        ]
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        headers, rows = self.rows()
+        return format_markdown(headers, rows) + "\n" + "\n".join(f"- {n}" for n in self.notes) + "\n"
+
+
+def _summarise(config: RunConfig, runs: list[dict[str, Any]], batch_size: int) -> ConfigTiming:
+    per_repeat = []
+    phase_medians: dict[str, list[float]] = {name: [] for name in PHASES}
+    for run in runs:
+        phases = run["phases"]
+        totals = [sum(values) for values in zip(*(phases[n] for n in PHASES), strict=True)]
+        per_repeat.append(statistics.median(totals))
+        for name in PHASES:
+            phase_medians[name].append(statistics.median(phases[name]))
+    step = statistics.median(per_repeat)
+    return ConfigTiming(
+        config.word,
+        config.strategy,
+        config.device_count,
+        step_seconds=step,
+        phase_seconds={name: statistics.median(v) for name, v in phase_medians.items()},
+        samples_per_second=batch_size / step,
+        repeat_step_seconds=per_repeat,
+        threads_per_process=int(runs[0].get("threads", 0)),
+    )
+
+
+def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
+    """Measure every configuration; see the module docstring. ``bench(model="mlp", configs=[...])`` works too.
+
+    Raises:
+        ConfigError: settings no run can use.
+    """
+    if config is None:
+        config = BenchConfig(**settings)
+    elif settings:
+        raise ConfigError("pass either a BenchConfig or keyword settings, not both")
+    config.validate_settings()
+    configs = parse_configs(config.configs)
+    notes: list[str] = []
+    if not any(c.strategy == "single" for c in configs):
+        configs.insert(0, parse_configs(["single"])[0])
+        notes.append("single was added: speed-up and efficiency are measured against it")
+    runnable = [c for c in configs if unavailable_reason(c) is None]
+    runs: dict[str, list[dict[str, Any]]] = {c.word: [] for c in runnable}
+    errors: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
+        for repeat in range(config.repeats):
+            shift = repeat % len(runnable)
+            for run in runnable[shift:] + runnable[:shift]:  # rotate: no configuration always goes first
+                if run.word in errors:
+                    continue
+                try:
+                    runs[run.word].append(run_config("bench", config, run, Path(tmp), {})[0])
+                except ConfigRunError as exc:
+                    errors[run.word] = str(exc)
+    timings = []
+    for c in configs:
+        why_not = unavailable_reason(c)
+        if why_not is not None:
+            timings.append(ConfigTiming(c.word, c.strategy, c.device_count, "SKIPPED", why_not))
+        elif c.word in errors:
+            timings.append(ConfigTiming(c.word, c.strategy, c.device_count, "ERROR", errors[c.word]))
+        else:
+            timings.append(_summarise(c, runs[c.word], config.batch_size))
+    base = next((t for t in timings if t.strategy == "single" and t.status == "OK"), None)
+    for t in timings:
+        if t.status == "OK" and base is not None:
+            t.speedup = base.step_seconds / t.step_seconds
+            t.efficiency = t.speedup / t.devices
+    cores = os.cpu_count() or 1
+    if any(c.strategy == "ddp" for c in runnable) and not torch.cuda.is_available():
+        threads = os.environ.get("OMP_NUM_THREADS", f"{cores} // N")
+        notes.append(
+            f"on the CPU, ddp's N processes share this machine's {cores} cores ({threads} thread(s) each): they "
+            "add no compute here, only communication"
+        )
+    if any(c.strategy == "dp" and "cpu" in c.devices for c in runnable):
+        notes.append(
+            f"dp's CPU replicas are threads on the same {cores} cores: they exercise the parallel code but add no "
+            "compute"
+        )
+    report = BenchReport(asdict(config), timings, notes)
+    _write_outputs(report, config)
+    return report
+
+
+def _write_outputs(report: BenchReport, config: BenchConfig) -> None:
+    beside = Path(config.report_out) if config.report_out else None
+    markdown = config.markdown_out or (str(beside.with_suffix(".md")) if beside is not None else None)
+    plot = config.plot_out
+    if plot is None and beside is not None:
+        if plotting_available():
+            plot = str(beside.with_suffix(".png"))
+        else:
+            report.notes.append("no plot: matplotlib is not installed (pip install 'paratrain[plot]')")
+    if beside is not None:
+        write_json(report.as_dict(), beside)
+    if markdown:
+        write_text(report.markdown(), markdown)
+    if plot:
+        from .plot import plot_scaling  # matplotlib is an optional extra
+
+        plot_scaling(report, plot)

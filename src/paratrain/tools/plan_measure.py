@@ -1,0 +1,236 @@
+"""What ``paratrain plan`` measures: compute on one device, all-reduces and stragglers with real processes.
+
+    profiles = measure_profiles(work, device, [(64, 2), (32, 1)], steps=10, warmup=3)   # (batch, threads) each
+    link = measure_link(2, sizes, bursts, timeout=600)          # python -m paratrain.tools.allreduce_probe
+
+Measurements take turns (one step of each shape in rotation) so that a shared machine's changing load does not
+favour one of them; every figure is a median.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..buckets import FIRST_BUCKET_BYTES, assign_buckets
+from ..errors import ConfigError
+from ..launch import LaunchConfig, launch
+from .plan_model import ComputeProfile, cpu_share
+from .workload import Workload, build_optimizer
+
+__all__ = [
+    "DDP_BUCKET_CAP_BYTES",
+    "bursts_for",
+    "measure_link",
+    "measure_profiles",
+    "read_link_file",
+    "threads_per_process",
+]
+
+DDP_BUCKET_CAP_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's default bucket_cap_mb
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+class _Clock:
+    """Wall-clock seconds on the CPU; CUDA events on a GPU (gradient hooks run ahead of the kernels there)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
+        return float(end - start)
+
+
+class _ProfileRun:
+    """Plain training steps (no wrapper) at one per-device batch and thread count, timed phase by phase."""
+
+    def __init__(self, work: Workload, device: torch.device, batch: int, threads: int) -> None:
+        self.work, self.batch, self.threads = work, batch, threads
+        self.model = work.build_model().to(device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(work.settings, self.params)
+        self.loader = work.loader(batch).to(device)
+        self.order = self.loader.batch_indices()
+        self.clock = _Clock(device)
+        self.device = device
+        self.ready: list[Any] = [None] * len(self.params)
+        self.handles = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self.ready.__setitem__(i, self.clock.mark()))
+            for i, p in enumerate(self.params)
+        ]
+        self.phases: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "optimizer": []}
+        self.ready_times: list[list[float]] = [[] for _ in self.params]
+
+    def step(self, record: bool) -> None:
+        clock = self.clock
+        with _threads(self.threads):
+            t0 = clock.mark()
+            indices = next(self.order, None)
+            if indices is None:
+                self.order = self.loader.batch_indices()
+                indices = next(self.order)
+            inputs, targets = self.loader.take(indices)
+            t1 = clock.mark()
+            loss = self.work.loss(self.model(inputs), targets)
+            t2 = clock.mark()
+            loss.backward()
+            t3 = clock.mark()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            t4 = clock.mark()
+        if not record:
+            return
+        for name, (a, b) in zip(self.phases, ((t0, t1), (t1, t2), (t2, t3), (t3, t4)), strict=True):
+            self.phases[name].append(clock.seconds(a, b))
+        for j, mark in enumerate(self.ready):
+            self.ready_times[j].append(clock.seconds(t2, mark) if mark is not None else 0.0)
+
+    def profile(self, copy_repeats: int) -> ComputeProfile:
+        for h in self.handles:
+            h.remove()
+        med = {name: statistics.median(values) for name, values in self.phases.items()}
+        with _threads(self.threads):
+            copy = _bucket_copy_seconds(self.params, self.device, copy_repeats)
+        return ComputeProfile(
+            self.batch,
+            med["data"],
+            med["forward"],
+            med["backward"],
+            med["optimizer"],
+            tuple(statistics.median(t) for t in self.ready_times),
+            copy,
+        )
+
+
+def measure_profiles(
+    work: Workload, device: torch.device, shapes: list[tuple[int, int]], steps: int, warmup: int
+) -> dict[tuple[int, int], ComputeProfile]:
+    """Medians of ``steps`` plain training steps for each (per-device batch, threads) in ``shapes``.
+
+    The shapes take turns, one step each, the order rotating, so that a shared machine's changing load hits them
+    alike (measured one after another, a quiet minute would favour one world size over another).
+    """
+    runs = [_ProfileRun(work, device, batch, threads) for batch, threads in dict.fromkeys(shapes)]
+    for i in range(warmup + steps):
+        shift = i % len(runs)
+        for run in runs[shift:] + runs[:shift]:
+            run.step(record=i >= warmup)
+    return {(run.batch, run.threads): run.profile(steps) for run in runs}
+
+
+def _bucket_copy_seconds(params: list[torch.nn.Parameter], device: torch.device, repeats: int) -> float:
+    """What our reducer adds per step: gradients divided into the bucket buffers, and copied back after."""
+    buckets = assign_buckets(params, DDP_BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES)
+    buffers = [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in buckets]
+    grads = [torch.randn_like(p) for p in params]
+    pairs = []
+    for bucket, buffer in zip(buckets, buffers, strict=True):
+        for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+            pairs.append((grads[i], buffer.narrow(0, offset, grads[i].numel()).view_as(grads[i])))
+    clock = _Clock(device)
+    times = []
+    for _ in range(max(3, repeats)):
+        start = clock.mark()
+        for grad, view in pairs:
+            torch.div(grad, 2, out=view)
+        for grad, view in pairs:
+            grad.copy_(view)
+        times.append(clock.seconds(start, clock.mark()))
+    return statistics.median(times)
+
+
+def measure_link(processes: int, sizes: tuple[int, ...], bursts: dict[int, int], timeout: float) -> dict[str, Any]:
+    """All-reduce timings, and the synchronisation cost after compute bursts, by real processes on this machine
+    (group sizes 2..processes); see :mod:`paratrain.tools.allreduce_probe`."""
+    with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
+        out = Path(tmp) / "link.json"
+        args = [str(out)]
+        if bursts:
+            Path(tmp, "bursts.json").write_text(json.dumps({str(n): units for n, units in bursts.items()}))
+            args += ["--bursts", str(Path(tmp, "bursts.json"))]
+        code = launch(
+            LaunchConfig(nproc_per_node=processes),
+            "paratrain.tools.allreduce_probe",
+            [*args, *map(str, sizes)],
+            module=True,
+            timeout=timeout,
+        )
+        if code != 0 or not out.exists():
+            raise ConfigError(
+                f"measuring the all-reduce with {processes} processes failed (exit code {code}); give "
+                "--link-bandwidth and --link-latency instead"
+            )
+        measured: dict[str, Any] = json.loads(out.read_text())
+        return measured
+
+
+def bursts_for(
+    profiles: dict[tuple[int, int], ComputeProfile], shapes: dict[int, tuple[int, int, float]], processes: int
+) -> dict[int, int]:
+    """Work units that last as long as forward + backward of each world size's process, timed here."""
+    from .allreduce_probe import work_unit
+
+    bursts = {}
+    unit = work_unit(torch.device("cpu"))
+    for n in range(2, processes + 1):
+        batch, threads, _ = shapes[n]
+        profile = profiles[batch, threads]
+        with _threads(threads):
+            for _ in range(5):
+                unit()
+            times = []
+            for _ in range(30):
+                start = time.perf_counter()
+                unit()
+                times.append(time.perf_counter() - start)
+        bursts[n] = max(1, round((profile.forward + profile.backward) / statistics.median(times)))
+    return bursts
+
+
+def read_link_file(path: str) -> list[list[float]]:
+    try:
+        samples: list[list[float]] = json.loads(Path(path).read_text())["samples"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"--link-file {path}: expected the JSON that paratrain.tools.allreduce_probe writes ({exc})"
+        ) from exc
+    return samples
+
+
+def threads_per_process(world_size: int, cores: int) -> tuple[int, float]:
+    """Threads a ddp worker gets (as paratrain launch gives them), and the time-sharing slowdown."""
+    if "OMP_NUM_THREADS" in os.environ:  # launch passes it through to every worker
+        try:
+            threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
+        except ValueError:
+            threads = 1
+        return threads, max(1.0, world_size * threads / cores)
+    return cpu_share(world_size, cores)

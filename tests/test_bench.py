@@ -1,0 +1,105 @@
+"""paratrain bench end to end on a tiny model: every configuration measured or skipped, the files it writes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import pytest
+import torch
+
+from paratrain.errors import ConfigError
+from paratrain.tools import BenchConfig
+from paratrain.tools.bench import PHASES, plotting_available
+from processes import run_cli
+
+GPU_DP = "dp:cuda:0,cuda:1"
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    result = run_cli(
+        "bench",
+        *("--model", "mlp", "--width", "16", "--depth", "1", "--input-shape", "6", "--num-classes", "3"),
+        *("--batch-size", "12", "--warmup", "1", "--steps", "3", "--repeats", "1"),
+        # ddp's processes are started by the runner that verify's tests exercise; here: what bench adds
+        *("--configs", "dp:cpu,cpu", GPU_DP, "--report-out", str(out)),
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    return result, out
+
+
+def test_every_configuration_is_measured_against_single(bench_run):
+    result, out = bench_run
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    timings = {t["config"]: t for t in report["configs"]}
+    assert list(timings)[:2] == ["single", "dp:cpu,cpu"]  # single added as the baseline
+    assert any("single was added" in note for note in report["notes"])
+    assert timings["single"]["speedup"] == 1.0 and timings["single"]["efficiency"] == 1.0
+    for word in ("single", "dp:cpu,cpu"):
+        t = timings[word]
+        assert t["status"] == "OK" and len(t["repeat_step_seconds"]) == 1
+        assert set(t["phase_seconds"]) == set(PHASES) and all(v > 0 for v in t["phase_seconds"].values())
+        assert t["samples_per_second"] == pytest.approx(12 / t["step_seconds"])
+        assert t["efficiency"] == pytest.approx(t["speedup"] / t["devices"])
+    if not torch.cuda.is_available():
+        assert timings[GPU_DP]["status"] == "SKIPPED"
+        assert "dp's CPU replicas are threads on the same" in result.stdout  # they add no compute: said so
+
+
+def test_markdown_and_plot_are_written_beside_the_json(bench_run):
+    _, out = bench_run
+    markdown = out.with_suffix(".md").read_text()
+    assert markdown.startswith("| configuration | devices | step ms |") and "| dp:cpu,cpu | 2 |" in markdown
+    png = out.with_suffix(".png")
+    if plotting_available():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not png.exists() and "matplotlib is not installed" in out.read_text()
+
+
+def test_repeats_run_round_robin_and_report_medians(monkeypatch):
+    bench_module = importlib.import_module("paratrain.tools.bench")
+
+    order = []
+    real = bench_module.run_config
+
+    def recording(mode, settings, config, workdir, extra):
+        order.append(config.word)
+        return real(mode, settings, config, workdir, extra)
+
+    monkeypatch.setattr(bench_module, "run_config", recording)
+    report = bench_module.bench(
+        model="mlp",
+        width=8,
+        depth=1,
+        input_shape="6",
+        num_classes=3,
+        batch_size=8,
+        warmup=0,
+        steps=3,
+        repeats=3,
+        configs=["single", "dp:cpu,cpu"],
+    )
+    assert order == ["single", "dp:cpu,cpu", "dp:cpu,cpu", "single", "single", "dp:cpu,cpu"]  # rotating
+    for timing in report.timings:
+        assert len(timing.repeat_step_seconds) == 3
+        assert timing.step_seconds == sorted(timing.repeat_step_seconds)[1]
+
+
+def test_a_plot_without_matplotlib_is_a_usage_error_before_running(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(ConfigError, match=r"needs matplotlib.*paratrain\[plot\]"):
+        BenchConfig(plot_out="x.png").validate()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [({"repeats": 0}, "--repeats"), ({"steps": 0}, "--steps"), ({"warmup": -1}, "--warmup")],
+)
+def test_bad_settings(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        BenchConfig(**settings).validate()

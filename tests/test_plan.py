@@ -1,0 +1,96 @@
+"""paratrain plan end to end on a tiny model (measured here, all-reduce by real processes), and its checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paratrain.errors import ConfigError
+from paratrain.tools import PlanConfig, plan
+from processes import run_cli
+
+TINY = {"model": "mlp", "width": 16, "depth": 1, "input_shape": "6", "num_classes": 3, "batch_size": 12}
+
+
+def _flags(settings: dict) -> list[str]:
+    return [part for key, value in settings.items() for part in (f"--{key.replace('_', '-')}", str(value))]
+
+
+def test_plan_predicts_every_world_size_with_measured_inputs(tmp_path):
+    out = tmp_path / "plan.json"
+    result = run_cli(
+        "plan",
+        *_flags({**TINY, "max_world_size": 2, "steps": 3, "warmup": 1, "report_out": out}),
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [r["world_size"] for r in rows] == [1, 2]
+    assert [r["per_device_batch"] for r in rows] == [12, 6]
+    assert rows[0]["speedup"] == 1.0 and rows[0]["exposed_comm_seconds"] == 0.0
+    for r in rows:
+        assert r["step_seconds"] > 0 and r["samples_per_second"] == pytest.approx(12 / r["step_seconds"])
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["world_size"])
+    inputs = report["inputs"]
+    assert {int(n) for n, _, _ in inputs["link_samples"]} == {2}  # all-reduces timed by 2 real processes
+    assert set(inputs["local_links"]) == {"2"} and inputs["local_links"]["2"]["bandwidth"] > 0
+    assert report["recommended_world_size"] in (1, 2)
+    assert "assumptions:" in result.stdout and "recommendation:" in result.stdout
+    assert any("share this machine's" in a for a in report["assumptions"])
+
+
+def test_several_machines_use_the_link_given_and_validation_compares_with_bench():
+    # one device per machine: nothing to measure between processes here; the link is the user's
+    report = plan(
+        PlanConfig(
+            **TINY,
+            max_world_size=3,
+            per_node=1,
+            link_bandwidth=1.0,
+            link_latency=1e-3,
+            steps=3,
+            warmup=1,
+            validate=True,
+            configs=["single"],
+            repeats=1,
+        )
+    )
+    two = report.row(2)
+    (bucket,) = report.inputs["buckets_bytes"]  # a tiny model: one bucket
+    assert two.comm_seconds == pytest.approx(1e-3 + bucket / 1e9)  # latency + ring factor 1 x bytes / 1 GB/s
+    assert 0 < two.exposed_comm_seconds <= two.comm_seconds  # it starts before backward ends
+    assert report.row(3).comm_seconds == pytest.approx(1e-3 + 4 / 3 * bucket / 1e9)
+    assert report.inputs["remote_link"] == {"latency": 1e-3, "bandwidth": 1e9}
+    assert report.inputs["link_samples"] == []
+    (single,) = report.validation
+    assert single["config"] == "single" and single["measured_seconds"] > 0
+    assert single["error"] == pytest.approx(single["predicted_seconds"] / single["measured_seconds"] - 1)
+    assert "validation against bench" in report.render()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"max_world_size": 4, "per_node": 2}, "span several machines"),
+        ({"link_bandwidth": 1.0}, "go together"),
+        ({"configs": ["dp:cpu,cpu"]}, "plan predicts ddp"),
+        ({"min_efficiency": 0}, "--min-efficiency"),
+        ({"max_world_size": 0}, "--max-world-size"),
+    ],
+)
+def test_usage_errors(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(**{**TINY, **settings})
+
+
+def test_slower_than_one_device_is_said():
+    from paratrain.tools.plan import PlanReport
+    from paratrain.tools.plan_model import ScalingRow
+
+    rows = [ScalingRow(1, 64, 1.0, 64.0, 1.0, 1.0, 0.0, 0.0), ScalingRow(2, 32, 2.0, 32.0, 0.5, 0.25, 1.2, 1.3)]
+    report = PlanReport({"min_efficiency": 0.7, "max_error": 0.15}, rows, 1, [], {})
+    text = report.verdict()
+    assert "stay on 1 device" in text and "2 devices: 0.50x" in text
+    assert "with 2 devices a step is predicted SLOWER than on one device" in text
