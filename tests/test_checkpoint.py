@@ -105,8 +105,8 @@ def test_file_loads_with_plain_weights_only_torch_load(tmp_path: Path) -> None:
     state = realistic_state()
     path = save_checkpoint(state, tmp_path, "c.pt")
     raw = torch.load(path, weights_only=True)
-    assert raw["format"] == FORMAT and raw["format_version"] == FORMAT_VERSION
-    assert_same(state, {key: value for key, value in raw.items() if key not in ("format", "format_version")})
+    assert raw["format"] == FORMAT and raw["format_version"] == FORMAT_VERSION and len(raw["digest"]) == 64
+    assert_same(state, {key: value for key, value in raw.items() if key not in ("format", "format_version", "digest")})
 
 
 def test_overwrite_replaces_the_file(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from paratrain.training.datasets import (
     default_cache_dir,
     load_dataset,
 )
+from processes import run_cli
 
 MNIST_FILES = (
     "train-images-idx3-ubyte",
@@ -205,7 +206,7 @@ def write(directory: Path, files: dict[str, bytes], gzipped: set[str] = frozense
 def test_mnist_reads_plain_and_gzipped_idx_files(tmp_path):
     files = fake_mnist(np.random.default_rng(0))
     write(tmp_path, files, gzipped={"train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"})
-    splits = load_dataset("mnist", tmp_path, download=False)
+    splits = load_dataset("mnist", tmp_path, download=False, verify=False)
     assert (splits.name, splits.num_classes, splits.input_shape) == ("mnist", 10, (1, 28, 28))
     assert_image_split(splits.train, 20)
     assert_image_split(splits.test, 10)
@@ -215,7 +216,7 @@ def test_mnist_reads_plain_and_gzipped_idx_files(tmp_path):
     assert splits.test.targets.tolist() == list(range(10))
     # the same files all gzipped give the same tensors
     write(tmp_path / "gz", files, gzipped=set(files))
-    again = load_dataset("mnist", str(tmp_path / "gz"), download=False)
+    again = load_dataset("mnist", str(tmp_path / "gz"), download=False, verify=False)
     assert torch.equal(again.train.inputs, splits.train.inputs)
 
 
@@ -241,7 +242,7 @@ def test_corrupt_idx_files_are_named_with_the_problem(tmp_path, name, corrupt, m
     files[name] = corrupt(files[name])
     write(tmp_path, files, gzipped={name})  # the corrupt one gzipped: the checks run after decompression
     with pytest.raises(DataError, match=message) as info:
-        load_dataset("mnist", tmp_path, download=False)
+        load_dataset("mnist", tmp_path, download=False, verify=False)
     assert f"{tmp_path / name}.gz" in str(info.value)
     assert "replace" in str(info.value).lower()
 
@@ -252,14 +253,14 @@ def test_a_broken_gzip_file_is_named(tmp_path):
     (tmp_path / "t10k-labels-idx1-ubyte").unlink()
     (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(b"not gzip at all")
     with pytest.raises(DataError, match=r"cannot read .*t10k-labels-idx1-ubyte\.gz.*delete it to download it again"):
-        load_dataset("mnist", tmp_path, download=False)
+        load_dataset("mnist", tmp_path, download=False, verify=False)
 
 
 def test_missing_files_without_download_name_each_file_and_the_folder(tmp_path):
     files = fake_mnist(np.random.default_rng(3))
     write(tmp_path, {k: v for k, v in files.items() if k.startswith("train")})
     with pytest.raises(DataError) as info:
-        load_dataset("mnist", tmp_path, download=False)
+        load_dataset("mnist", tmp_path, download=False, verify=False)
     message = str(info.value)
     assert f"missing from {tmp_path}: t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (download=False)" in message
     assert "train-images" not in message
@@ -309,7 +310,9 @@ def test_a_download_is_checked_then_moved_into_place(tmp_path, http_dir):
     target = tmp_path / "data"
     write(target, {"t10k-labels-idx1-ubyte": files["t10k-labels-idx1-ubyte"]})  # present files are kept
     # the first mirror refuses, the second serves
-    splits = _load_mnist(target, download=True, mirrors=(*UNREACHABLE, url), timeout=1.0, checksums=checksums)
+    splits = _load_mnist(
+        target, download=True, verify=False, mirrors=(*UNREACHABLE, url), timeout=1.0, checksums=checksums
+    )
     assert_image_split(splits.train, 20)
     assert sorted(p.name for p in target.iterdir()) == [
         "t10k-images-idx3-ubyte.gz",
@@ -337,3 +340,46 @@ def test_a_mirror_without_the_file_reports_the_http_error(tmp_path, http_dir):
     with pytest.raises(DataError, match=r"train-images-idx3-ubyte\.gz: HTTP Error 404") as info:
         _load_mnist(tmp_path / "data", download=True, mirrors=(url,), timeout=5.0)
     assert ", ".join(MNIST_FILES) in str(info.value)
+
+
+# --- mnist: files already on disk are checked like downloads --------------------------------------------------
+
+
+def test_gzipped_files_on_disk_must_have_the_published_md5(tmp_path):
+    """Random bytes with valid IDX headers, gzipped: refused, naming the file and both checksums."""
+    write(tmp_path, fake_mnist(np.random.default_rng(5)), gzipped={"train-images-idx3-ubyte"})
+    with pytest.raises(
+        DataError,
+        match=r"train-images-idx3-ubyte\.gz has md5 [0-9a-f]{32}, but MNIST's .* has md5 "
+        r"f68b3c2dcbeaaa9fbdd348bbdeb94873: the file is damaged or another copy.*--no-verify-data",
+    ):
+        load_dataset("mnist", tmp_path, download=False)
+    assert len(load_dataset("mnist", tmp_path, download=False, verify=False).train) == 20  # deliberately
+
+
+def test_plain_files_on_disk_must_have_mnists_label_counts_and_brightness(tmp_path):
+    files = fake_mnist(np.random.default_rng(6))
+    write(tmp_path, files)
+    with pytest.raises(DataError, match=r"train-labels-idx1-ubyte is not MNIST's train labels file: its label counts"):
+        load_dataset("mnist", tmp_path, download=False)
+    # labels with the release's counts, images of random bytes (mean brightness near 127.5): the images are named
+    counts = (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949)
+    labels = np.repeat(np.arange(10), counts)
+    images = np.random.default_rng(7).integers(0, 256, (60000, 28, 28))
+    write(tmp_path, {"train-labels-idx1-ubyte": idx_bytes(labels), "train-images-idx3-ubyte": idx_bytes(images)})
+    with pytest.raises(
+        DataError,
+        match=r"train-images-idx3-ubyte is not MNIST's train images file: 60000 images of "
+        r"mean brightness 127\.\d\d, where MNIST has 60000 of 33\.32",
+    ):
+        load_dataset("mnist", tmp_path, download=False)
+
+
+def test_the_train_command_says_how_to_use_another_copy(tmp_path):
+    write(tmp_path, fake_mnist(np.random.default_rng(8)))
+    failed = run_cli("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--epochs", "1", "--quiet")
+    assert (
+        failed.returncode == 1 and "not MNIST's train labels file" in failed.stderr and "Traceback" not in failed.stderr
+    )
+    args = ("--dataset", "mnist", "--data-dir", str(tmp_path), "--epochs", "1", "--quiet", "--batch-size", "10")
+    assert run_cli("train", *args, "--no-verify-data", "--model", "mlp", "--width", "8").returncode == 0

@@ -25,6 +25,7 @@ from .errors import (
     ParatrainError,
     ReplicaError,
     ScatterError,
+    TrainingError,
 )
 from .parallel import Parallel, seed_everything
 from .scatter_gather import gather, scatter, split_sizes
@@ -45,6 +46,7 @@ __all__ = [
     "ReplicaError",
     "ScatterError",
     "Strategy",
+    "TrainingError",
     "__version__",
     "bench",
     "gather",

@@ -22,7 +22,7 @@ previous checkpoint of that name. Loading says what is wrong with a bad file and
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import os
 import re
 import secrets
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError, ConfigError
+from .files import atomic_writer
 from .state_dicts import describe_keys
 
 __all__ = [
@@ -49,9 +50,9 @@ __all__ = [
 ]
 
 FORMAT = "paratrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a digest of the state is written with it and checked on load
 
-_MARKER_KEYS = ("format", "format_version")
+_MARKER_KEYS = ("format", "format_version", "digest")
 _NAME_PATTERN = re.compile(r"epoch-(\d+)-step-(\d+)\.pt")
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save has written zip archives since torch 1.6
 
@@ -133,19 +134,10 @@ def save_checkpoint(state: Mapping[str, Any], directory: str | Path, name: str) 
 
     directory = Path(directory)
     final = directory / name
-    # Starts with a dot and ends in .tmp, so list_checkpoints never mistakes it for a checkpoint.
-    temporary = directory / f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    payload = {"format": FORMAT, "format_version": FORMAT_VERSION, **state}
+    payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "digest": state_digest(state), **state}
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        # O_EXCL: never write into someone else's file; 0o666 lets the umask decide the mode as for any file
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as file:
+        with atomic_writer(final, "wb", durable=True) as file:
             torch.save(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, final)
-        _fsync_directory(directory)
     except Exception as err:
         # torch's zip writer reports a failed write as "enforce fail at inline_container.cc", with the operating
         # system's reason (disk full, file too large) only in the exception it replaced
@@ -159,11 +151,38 @@ def save_checkpoint(state: Mapping[str, Any], directory: str | Path, name: str) 
             f"could not write checkpoint {final}: {why}. Nothing was left half-written, and the checkpoints "
             f"already in {directory} are intact. Check free space, file-size limits and permissions there."
         ) from err
-    finally:
-        # A no-op after a successful rename; after a failure (or Ctrl-C) it removes the partial file.
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
     return final
+
+
+def state_digest(state: Mapping[str, Any]) -> str:
+    """sha256 over everything in ``state``: keys, and each value's type, dtype, shape and bytes, in order.
+
+    Written with a checkpoint and checked when it is loaded, so a file damaged on disk or in a copy (bytes
+    flipped in a tensor, not only a cut-short file) is refused instead of trained on.
+    """
+    digest = hashlib.sha256()
+    _digest_into(digest, state)
+    return digest.hexdigest()
+
+
+def _digest_into(digest: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous()
+        digest.update(f"T{t.dtype}{tuple(t.shape)}|".encode())
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, Mapping):
+        digest.update(f"D{len(value)}|".encode())
+        for key, item in value.items():
+            _digest_into(digest, key)
+            _digest_into(digest, item)
+    elif isinstance(value, (list, tuple, set)):
+        items = sorted(value, key=repr) if isinstance(value, set) else value
+        digest.update(f"{type(value).__name__}{len(value)}|".encode())
+        for item in items:
+            _digest_into(digest, item)
+    else:
+        digest.update(f"{type(value).__name__}:{value!r}|".encode())
 
 
 def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -218,7 +237,26 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
             f"{path} was written by a newer paratrain (format version {version}; this one reads up to "
             f"{FORMAT_VERSION}). Upgrade paratrain to resume from it."
         )
-    return {key: value for key, value in loaded.items() if key not in _MARKER_KEYS}
+    state = {key: value for key, value in loaded.items() if key not in _MARKER_KEYS}
+    written = state.pop("digest", None)  # format version 1 had none: nothing to check
+    if written is not None and written != state_digest(state):
+        raise CheckpointError(_damaged(path))
+    return state
+
+
+def _damaged(path: Path) -> str:
+    good = _previous_checkpoint(path)
+    fallback = (
+        f"The newest checkpoint before it that verifies is {good}: resume from it with --resume {good}, or delete "
+        f"{path.name} so that --resume finds it."
+        if good is not None
+        else "No earlier checkpoint in its directory verifies: start afresh (in another directory, or after "
+        "deleting the damaged files)."
+    )
+    return (
+        f"checkpoint {path} is damaged: its contents do not match the digest written with it (bytes changed on "
+        f"disk or in a copy), so training on it would start from wrong values. {fallback}"
+    )
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -308,7 +346,7 @@ def _explain_load_failure(path: Path, head: bytes, err: Exception) -> str:
 
 
 def _previous_checkpoint(path: Path) -> Path | None:
-    """The checkpoint a run would fall back to once ``path`` is deleted."""
+    """The newest checkpoint older than ``path`` in its directory that loads and verifies, if any."""
     try:
         others = list_checkpoints(path.parent)
     except CheckpointError:
@@ -316,22 +354,13 @@ def _previous_checkpoint(path: Path) -> Path | None:
     names = [other.name for other in others]
     if path.name in names:
         others = others[: names.index(path.name)]
-    return others[-1] if others else None
-
-
-def _fsync_directory(directory: Path) -> None:
-    # The rename is durable only once the directory entry is on disk; without this a power cut just after
-    # os.replace can bring back the old file, or no file at all.
-    if os.name != "posix":
-        return  # Windows cannot open a directory for fsync; NTFS journals the rename itself
-    # Some network and FUSE file systems refuse fsync on a directory. The file's data is already synced, so a
-    # refusal costs only the power-cut guarantee for the rename, not worth failing a save that succeeded.
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
+    for candidate in reversed(others):
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            load_checkpoint(candidate)
+        except CheckpointError:
+            continue
+        return candidate
+    return None
 
 
 def _os_error_in(err: BaseException) -> OSError | None:

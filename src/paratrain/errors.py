@@ -12,7 +12,8 @@ derives from the builtin that code written against PyTorch would catch (``ValueE
     ├── ReplicaError (RuntimeError)       one or more replicas failed; names each replica and device
     ├── DataError (RuntimeError)          missing or corrupt dataset files
     ├── CheckpointError (RuntimeError)    unreadable, corrupt or incompatible checkpoints
-    └── DistributedError (RuntimeError)   collectives that disagree across ranks or time out
+    ├── DistributedError (RuntimeError)   collectives that disagree across ranks or time out
+    └── TrainingError (RuntimeError)      a run that cannot go on meaningfully (its loss became nan or inf)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "ParatrainError",
     "ReplicaError",
     "ScatterError",
+    "TrainingError",
 ]
 
 
@@ -64,3 +66,7 @@ class CheckpointError(ParatrainError, RuntimeError):
 
 class DistributedError(ParatrainError, RuntimeError):
     """Ranks disagree, or a collective did not complete in time."""
+
+
+class TrainingError(ParatrainError, RuntimeError):
+    """Training cannot go on meaningfully: the loss became nan or inf."""

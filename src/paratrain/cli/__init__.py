@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ..collectives import wedged
 from ..errors import ConfigError, ParatrainError
@@ -33,10 +34,15 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line (``paratrain train: error: ...``) instead of the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="paratrain", description="Take a PyTorch training loop from one device to many."
-    )
+    parser = _Parser(prog="paratrain", description="Take a PyTorch training loop from one device to many.")
     parser.add_argument("--version", action="version", version=f"paratrain {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True

@@ -86,7 +86,8 @@ def add_options(
         options.update({key: meta[key] for key in _PASSED_THROUGH if key in meta})
         help_text = meta["help"]
         if kind is bool:
-            options["action"] = argparse.BooleanOptionalAction if optional else "store_true"
+            # a switch that is on by default, or has no default, needs its --no- form too
+            options["action"] = argparse.BooleanOptionalAction if optional or default else "store_true"
         else:
             parse = (parsers or {}).get(f.name) or _PARSERS.get(kind)
             if parse is None:

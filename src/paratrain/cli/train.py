@@ -13,6 +13,7 @@ from dataclasses import fields
 from ..errors import ConfigError
 from ..launch import LaunchConfig, launch
 from ..strategies import launched_by_torchrun, resolve_strategy
+from ..strategies.ddp import DDP_DEVICES
 from .launch import add_launcher_options, launch_config, report_exit
 from .options import add_options, flag_of, from_args
 
@@ -66,6 +67,14 @@ def _train(args: argparse.Namespace) -> int:
             )
     elif not launched_by_torchrun():
         launcher.validate()
+        if config.devices.strip() not in DDP_DEVICES:
+            raise ConfigError(
+                f"--strategy ddp runs one process per device and takes --devices {', '.join(DDP_DEVICES)} (each "
+                f"process uses its local rank's GPU, or the CPU); found {config.devices!r}. For a list of devices "
+                f"in one process use --strategy dp; for N processes, --nproc-per-node N"
+            )
+        if launcher.is_single_node:
+            config.check_outputs()  # rank 0 runs on this machine: its outputs are checked before it starts
         if launcher.max_restarts and config.checkpoint_dir is None:
             raise ConfigError(
                 f"--max-restarts {launcher.max_restarts} restarts the workers after a failure, and they continue "

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..files import atomic_writer
+
 if TYPE_CHECKING:
     from .bench import BenchReport
 
@@ -47,7 +49,7 @@ def plot_scaling(report: BenchReport, path: str | Path) -> Path:
     fig.suptitle(f"paratrain bench: {settings['model']}, global batch {settings['batch_size']}")
     fig.tight_layout()
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=100)
+    with atomic_writer(target, "wb") as file:
+        fig.savefig(file, dpi=100, format="png")
     plt.close(fig)
     return target

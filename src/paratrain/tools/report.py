@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..files import atomic_writer
 
 __all__ = ["format_markdown", "format_table", "write_json", "write_text"]
 
@@ -31,21 +30,13 @@ def format_markdown(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> st
 
 
 def write_text(text: str, path: str | Path) -> Path:
-    """Write ``text`` atomically (a reader never sees half a file)."""
-    target = Path(path)
+    """Write ``text`` atomically, never over a device or a link (see :mod:`paratrain.files`)."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {target}: {exc.strerror}; pick a writable path") from exc
-    try:
-        with os.fdopen(fd, "w") as f:
+        with atomic_writer(path, "w") as f:
             f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}; pick a writable path") from exc
+    return Path(path)
 
 
 def write_json(payload: dict[str, Any], path: str | Path) -> Path:

@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..collectives import DEFAULT_TIMEOUT_S
 from ..errors import ConfigError
+from ..files import check_output
 from ..precision import PRECISIONS
 from ..strategies import STRATEGY_NAMES
 from .datasets import DATASET_NAMES
@@ -27,6 +30,8 @@ from .optimizers import DEFAULT_BETAS, LR_SCHEDULES, OPTIMIZERS
 __all__ = ["RESUME_MODES", "TrainConfig"]
 
 RESUME_MODES = ("latest", "if-exists")
+# an optimizer update is lr times a gradient in float32: a larger lr overflows before training can even diverge
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _setting(default: Any, help: str, **cli: Any) -> Any:
@@ -91,6 +96,11 @@ class TrainConfig:
     devices: str = _setting("auto", "auto, cpu, cuda, cuda:0,cuda:1, or cpu,cpu,cpu (CPU replicas)")
     seed: int = _setting(0, "seeds the weights, the shuffle order and every generator")
     data_dir: str | None = _setting(None, "where the mnist IDX files are, or get downloaded to", metavar="DIR")
+    verify_data: bool = _setting(
+        True,
+        "check MNIST files found in --data-dir as downloads are checked (gzipped: their published md5; plain: the "
+        "release's label counts and brightness); --no-verify-data trains on a deliberately different copy",
+    )
     checkpoint_dir: str | None = _setting(None, "save a checkpoint there at the end of every epoch", metavar="DIR")
     checkpoint_every: int = _setting(0, "also save every N steps (0: only at epoch ends)", metavar="N")
     keep_checkpoints: int = _setting(3, "keep the newest K checkpoints", metavar="K")
@@ -149,7 +159,7 @@ class TrainConfig:
         checks = [
             (self.epochs >= 1, f"--epochs must be at least 1; found {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be at least 1; found {self.batch_size}"),
-            (self.lr > 0, f"--lr must be positive; found {self.lr}"),
+            (0 < self.lr < _FLOAT32_MAX, f"--lr must be positive and below {_FLOAT32_MAX:.1e}; found {self.lr}"),
             (self.log_every >= 1, f"--log-every must be at least 1; found {self.log_every}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be 0 or more; found {self.checkpoint_every}"),
             (self.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1; found {self.keep_checkpoints}"),
@@ -192,6 +202,21 @@ class TrainConfig:
         self._check_log_dir()
         if self.resume is not None and self.checkpoint_dir is None and self.resume in RESUME_MODES:
             raise ConfigError("--resume needs --checkpoint-dir (where to look for the latest checkpoint)")
+
+    def check_outputs(self) -> None:
+        """Check that every file and directory the run writes can be written, before any work starts.
+
+        Called where the run's results are written: by ``paratrain train`` for a run on this machine, and by the
+        main process before its first step.
+
+        Raises:
+            ConfigError: naming the flag and what is wrong with its path.
+        """
+        if self.metrics_out is not None:
+            check_output(self.metrics_out, "--metrics-out")
+        for flag, directory in (("--checkpoint-dir", self.checkpoint_dir), ("--log-dir", self.log_dir)):
+            if directory is not None:
+                check_output(Path(directory) / ".paratrain-check", flag)
 
     def _check_log_dir(self) -> None:
         for name, value in (("--tensorboard", self.tensorboard), ("--plot", self.plot)):

@@ -59,7 +59,21 @@ _MNIST_MD5 = {
     "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
     "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
 }
-_MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/")
+# HTTPS first; the last one is plain HTTP, which is safe only because every file is checked against its md5
+_MNIST_MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "https://storage.googleapis.com/cvdf-datasets/mnist/",
+    "http://yann.lecun.com/exdb/mnist/",
+)
+# Uncompressed IDX files have no published checksum (the mirrors publish the gzipped files' md5): a plain file
+# is checked against what the MNIST release holds instead: the count of every label, exactly, and the images'
+# mean brightness (0..255), which random or foreign bytes do not reproduce.
+_MNIST_LABEL_COUNTS = {
+    "train": (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
+    "t10k": (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009),
+}
+_MNIST_MEAN_PIXEL = {"train": 33.32, "t10k": 33.79}  # torchvision's normalisation constants, 0.1307 and 0.1325
+_MEAN_PIXEL_TOLERANCE = 0.5
 _DOWNLOAD_TIMEOUT_S = 30.0
 _IDX_IMAGES = 0x00000803  # unsigned byte, 3 dimensions
 _IDX_LABELS = 0x00000801  # unsigned byte, 1 dimension
@@ -106,7 +120,9 @@ def default_cache_dir() -> Path:
     return base / "paratrain"
 
 
-def load_dataset(name: str, data_dir: str | Path | None = None, *, download: bool = True) -> DatasetSplits:
+def load_dataset(
+    name: str, data_dir: str | Path | None = None, *, download: bool = True, verify: bool = True
+) -> DatasetSplits:
     """Load one of ``DATASET_NAMES`` as whole tensors on the CPU.
 
     Args:
@@ -114,6 +130,9 @@ def load_dataset(name: str, data_dir: str | Path | None = None, *, download: boo
         data_dir: the folder holding the MNIST IDX files (default ``default_cache_dir() / "mnist"``); the other
             datasets need no files and ignore it.
         download: fetch missing MNIST files into ``data_dir``.
+        verify: check MNIST files found on disk as downloads are checked: gzipped files against their published
+            md5, plain ones against the release's label counts and mean brightness. ``False`` uses a deliberately
+            different copy (``paratrain train --no-verify-data``).
 
     Raises:
         ConfigError: an unknown name.
@@ -124,7 +143,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None, *, download: boo
     if name == "digits60k":
         return _digits60k()
     if name == "mnist":
-        return _load_mnist(data_dir, download=download)
+        return _load_mnist(data_dir, download=download, verify=verify)
     if name == "random":
         return _random()
     raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}")
@@ -225,6 +244,7 @@ def _load_mnist(
     data_dir: str | Path | None,
     *,
     download: bool,
+    verify: bool = True,
     mirrors: Sequence[str] | None = None,
     timeout: float | None = None,
     checksums: Mapping[str, str] | None = None,
@@ -243,8 +263,9 @@ def _load_mnist(
         raise DataError(
             _missing_message(directory, missing, "still missing after downloading" if download else "download=False")
         )
-    train = _read_mnist_split(directory, "train")
-    test = _read_mnist_split(directory, "t10k")
+    known = (_MNIST_MD5 if checksums is None else checksums) if verify else None
+    train = _read_mnist_split(directory, "train", known)
+    test = _read_mnist_split(directory, "t10k", known)
     return DatasetSplits("mnist", train, test, num_classes=10, input_shape=(1, _SIDE, _SIDE))
 
 
@@ -306,13 +327,14 @@ def _fetch(url: str, dest: Path, timeout: float, md5: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _read_mnist_split(directory: Path, prefix: str) -> TensorData:
+def _read_mnist_split(directory: Path, prefix: str, checksums: Mapping[str, str] | None) -> TensorData:
+    """One split's tensors; with ``checksums``, each file is first checked to be MNIST's (see _MNIST_LABEL_COUNTS)."""
     images_path = _find(directory, f"{prefix}-images-idx3-ubyte")
     labels_path = _find(directory, f"{prefix}-labels-idx1-ubyte")
     if images_path is None or labels_path is None:  # checked by the caller; kept for the type checker
         raise DataError(_missing_message(directory, _missing_files(directory), "removed while loading"))
-    images = _read_idx(images_path, _IDX_IMAGES)  # (N, rows, cols) uint8
-    labels = _read_idx(labels_path, _IDX_LABELS)  # (N,) uint8
+    images = _read_idx(images_path, _IDX_IMAGES, checksums)  # (N, rows, cols) uint8
+    labels = _read_idx(labels_path, _IDX_LABELS, checksums)  # (N,) uint8
     if images.shape[1:] != (_SIDE, _SIDE):
         raise DataError(
             f"{images_path} holds images of {images.shape[1]}x{images.shape[2]} pixels; MNIST images are "
@@ -329,16 +351,53 @@ def _read_mnist_split(directory: Path, prefix: str) -> TensorData:
             f"{labels_path} has label {int(labels[bad])} at index {bad}; MNIST labels are 0..9. "
             f"The file is corrupt or not MNIST: replace it"
         )
+    if checksums is not None:
+        _check_plain(labels_path, labels, images_path, images, prefix)
     pixels = torch.from_numpy(images).unsqueeze(1).float().div_(255.0)  # (N, 1, 28, 28) in [0, 1]
     return TensorData(_normalise(pixels), torch.from_numpy(labels).long())
 
 
-def _read_idx(path: Path, magic: int) -> np.ndarray:
-    """The uint8 array in an IDX file (plain or gzipped), after checking its header against its size."""
+_USE_ANOTHER_COPY = (
+    "Delete it to download it again, or, to train on a deliberately different copy, pass --no-verify-data "
+    "(load_dataset(..., verify=False))"
+)
+
+
+def _check_plain(labels_path: Path, labels: np.ndarray, images_path: Path, images: np.ndarray, prefix: str) -> None:
+    """Uncompressed files: the release's label counts, exactly, and its mean brightness (gzipped: md5, earlier)."""
+    if labels_path.suffix != ".gz":
+        counts = tuple(int(c) for c in np.bincount(labels, minlength=10))
+        if counts != _MNIST_LABEL_COUNTS[prefix]:
+            raise DataError(
+                f"{labels_path} is not MNIST's {prefix} labels file: its label counts are {list(counts)}, MNIST's "
+                f"are {list(_MNIST_LABEL_COUNTS[prefix])}. {_USE_ANOTHER_COPY}"
+            )
+    if images_path.suffix != ".gz":
+        mean = float(images.mean(dtype=np.float64)) if images.size else 0.0
+        expected = _MNIST_MEAN_PIXEL[prefix]
+        if len(images) != len(labels) or abs(mean - expected) > _MEAN_PIXEL_TOLERANCE:
+            raise DataError(
+                f"{images_path} is not MNIST's {prefix} images file: {len(images)} images of mean brightness "
+                f"{mean:.2f}, where MNIST has {sum(_MNIST_LABEL_COUNTS[prefix])} of {expected:.2f}. {_USE_ANOTHER_COPY}"
+            )
+
+
+def _read_idx(path: Path, magic: int, checksums: Mapping[str, str] | None = None) -> np.ndarray:
+    """The uint8 array in an IDX file (plain or gzipped), after checking its header against its size.
+
+    With ``checksums``, a gzipped file is first checked against its md5 there (the published one).
+    """
     kind = "image" if magic == _IDX_IMAGES else "label"
     fix = "delete it to download it again, or replace it with the MNIST file"
     try:
         raw = path.read_bytes()
+        if checksums is not None and path.name in checksums:
+            found_md5 = hashlib.md5(raw, usedforsecurity=False).hexdigest()
+            if found_md5 != checksums[path.name]:
+                raise DataError(
+                    f"{path} has md5 {found_md5}, but MNIST's {path.name} has md5 {checksums[path.name]}: the file "
+                    f"is damaged or another copy. {_USE_ANOTHER_COPY}"
+                )
         data = gzip.decompress(raw) if path.suffix == ".gz" else raw
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         raise DataError(f"cannot read {path}: {e}; {fix}") from e

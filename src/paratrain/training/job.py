@@ -11,6 +11,7 @@ From Python: ``train(TrainConfig(epochs=1, quiet=True))`` returns a :class:`~par
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -23,7 +24,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from ..checkpoint import check_writable, checkpoint_name, latest_checkpoint, load_checkpoint, prune_checkpoints
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TrainingError
+from ..files import remove_stale_temporaries
 from ..launch import restart_count
 from ..parallel import Parallel, seed_everything
 from ..precision import Precision
@@ -34,7 +36,7 @@ from .datasets import TensorData, load_dataset
 from .loader import DeviceLoader
 from .logs import RunLog
 from .model_spec import build_model_spec
-from .optimizers import build_optimizer, build_scheduler, optimizer_settings, restore_scheduler
+from .optimizers import apply_settings, build_optimizer, build_scheduler, optimizer_settings, restore_scheduler
 from .progress import Progress
 from .recovery import ProgressLog
 from .results import TrainResult, fingerprint, write_metrics
@@ -98,15 +100,18 @@ class _Run:
         self.wall_start = time.perf_counter()
         self.progress = Progress(enabled=par.is_main, bar=False if config.quiet else config.progress_bar, log=log)
         self.checkpoints = Path(config.checkpoint_dir) if config.checkpoint_dir else None
-        if self.checkpoints is not None and par.is_main:
-            check_writable(self.checkpoints)
+        if par.is_main:  # the main process writes every output: each is checked before the first step
+            config.check_outputs()
+            if self.checkpoints is not None:
+                check_writable(self.checkpoints)
+                remove_stale_temporaries(self.checkpoints)  # left by writers killed mid-write
         self.recovery = ProgressLog(self.checkpoints, enabled=par.is_main, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
         # a restart after a failure, or the group re-formed (a node joined or left) while this launch's run was
         # unfinished; the main process keeps the record, so its answer holds in every process
         continuing = torch.tensor([int(restart_count() > 0 or self.recovery.interrupted())], dtype=torch.int64)
         self.continuing = bool(par.broadcast(continuing)[0])
         self.resume_path = _find_resume(config, self.checkpoints, self.continuing)
-        self.splits = load_dataset(config.dataset, config.data_dir)
+        self.splits = load_dataset(config.dataset, config.data_dir, verify=config.verify_data)
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
         model = build_model_spec(
             config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
@@ -127,6 +132,17 @@ class _Run:
         self.pos = _Position()
         if self.resume_path is not None:
             self.pos = _restore(self.resume_path, config, model, optimizer, self.scheduler, par.precision)
+            # settings a resumed run may change (learning rate, momentum, weight decay, betas) take effect: the
+            # checkpoint's optimizer state brought back the old ones
+            apply_settings(
+                optimizer,
+                self.scheduler,
+                config.optimizer,
+                lr=config.lr,
+                momentum=config.momentum,
+                weight_decay=config.weight_decay,
+                betas=config.betas,
+            )
             again = " after a restart" if self.continuing else ""
             self.say(f"Resuming{again} from {self.resume_path} (epoch {self.pos.epoch}, batch {self.pos.batch})")
         self.recovery.start(self.pos.global_step, continuing=self.continuing)
@@ -235,6 +251,12 @@ class _Run:
         self.progress.end_epoch()
         total, count = _reduced_loss(par, loss_sum, loss_count)
         self.epoch_losses.append(total / max(count, 1))
+        if not math.isfinite(self.epoch_losses[-1]):
+            raise TrainingError(
+                f"the training loss became {self.epoch_losses[-1]} in epoch {epoch}: the run diverged (a learning "
+                f"rate of {config.lr:g} may be too high; --clip-grad-norm or --precision 32 can help). Stopping "
+                f"instead of training on to a meaningless model"
+            )
         self.epoch_accuracy.append(evaluate(par, self.model, self.splits.test, config.eval_batch_size))
         self.pos = _Position(epoch + 1, 0, pos.global_step)
         self.say(

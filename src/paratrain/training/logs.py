@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..files import atomic_writer
 
 __all__ = ["CSV_NAME", "PLOT_NAME", "RunLog", "check_extras", "read_metrics"]
 
@@ -133,7 +134,8 @@ class RunLog:
         accuracy_axes.set(title="test accuracy", xlabel="epoch", ylabel="accuracy")
         figure.tight_layout()
         path = self.directory / PLOT_NAME
-        figure.savefig(path)
+        with atomic_writer(path, "wb") as file:
+            figure.savefig(file, format="png")
         return path
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "WarmupCosine",
+    "apply_settings",
     "build_optimizer",
     "build_scheduler",
     "optimizer_settings",
@@ -53,6 +54,39 @@ def build_optimizer(
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=(float(betas[0]), float(betas[1])), weight_decay=decay)
     raise ConfigError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")
+
+
+def apply_settings(
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR | None,
+    name: str,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float | None = None,
+    betas: tuple[float, float] = DEFAULT_BETAS,
+) -> None:
+    """Give a restored optimizer (and schedule) this run's settings: a resumed run may change them.
+
+    Loading a checkpoint's optimizer state brings back the learning rate, momentum, weight decay and betas it
+    was saved with; the settings given now take effect instead (the moments and the step count stay). With a
+    schedule, ``lr`` becomes its peak, and the current learning rate follows from it at the current step.
+    """
+    decay = _DEFAULT_WEIGHT_DECAY.get(name, 0.0) if weight_decay is None else weight_decay
+    for group in optimizer.param_groups:
+        group["weight_decay"] = decay
+        if "momentum" in group:
+            group["momentum"] = momentum
+        if "betas" in group:
+            group["betas"] = (float(betas[0]), float(betas[1]))
+        group["lr"] = lr
+        if "initial_lr" in group:
+            group["initial_lr"] = lr
+    if scheduler is not None:
+        scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+        factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * factor
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

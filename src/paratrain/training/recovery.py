@@ -21,11 +21,12 @@ run reads it and records, once its first step after resuming is done:
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from ..files import atomic_writer
 
 __all__ = ["PROGRESS_FILE", "ProgressLog", "Recovery"]
 
@@ -116,9 +117,8 @@ class ProgressLog:
             "run_started_at": self.run_started_at,
             "recoveries": [asdict(r) for r in self.recoveries],
         }
-        temporary = self.path.with_name(f".{PROGRESS_FILE}.{os.getpid()}.tmp")
         try:
-            temporary.write_text(json.dumps(payload))
-            os.replace(temporary, self.path)
+            with atomic_writer(self.path, "w") as file:
+                file.write(json.dumps(payload))
         except OSError:
-            temporary.unlink(missing_ok=True)  # progress is informational: a failed write must not stop training
+            pass  # progress is informational: a failed write must not stop training

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..files import atomic_writer
 
 __all__ = ["TrainResult", "fingerprint", "write_metrics"]
 
@@ -85,19 +84,11 @@ class TrainResult:
 
 
 def write_metrics(result: TrainResult, path: str | Path) -> Path:
-    """Write the result as JSON, atomically (a reader never sees half a file)."""
-    target = Path(path)
+    """Write the result as JSON, atomically, never over a device or a link (see :mod:`paratrain.files`)."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as exc:
-        raise ConfigError(f"cannot write metrics to {target}: {exc.strerror}; pick a writable path") from exc
-    try:
-        with os.fdopen(fd, "w") as f:
+        with atomic_writer(path, "w") as f:
             json.dump(result.as_dict(), f, indent=2)
             f.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    except OSError as exc:
+        raise ConfigError(f"cannot write metrics to {path}: {exc.strerror or exc}; pick a writable path") from exc
+    return Path(path)

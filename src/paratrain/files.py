@@ -1,0 +1,168 @@
+"""Writing the files a run produces without ever destroying what is not ours.
+
+Every file paratrain writes (checkpoints, metrics, logs, reports) goes through :func:`atomic_writer`:
+
+- a regular file, or nothing yet: the data goes to a temporary file beside it, which is renamed over the target
+  once complete, so a reader (or a crash) never sees half a file;
+- a device or a pipe (``/dev/null``, ``/dev/stdout``): written through; it is never replaced by a file;
+- a symbolic link: followed, on purpose: the file it points to is written (atomically, as above) and the link
+  stays a link;
+- a directory: an error.
+
+:func:`check_output` says before any work starts whether a path can be written that way, and
+:func:`remove_stale_temporaries` clears the temporary files of writers that died (SIGKILL mid-write)::
+
+    check_output("runs/metrics.json", "--metrics-out")          # ConfigError now, not after the run
+    with atomic_writer("runs/metrics.json", "w") as f:
+        json.dump(result, f)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import ConfigError
+
+__all__ = ["atomic_writer", "check_output", "remove_stale_temporaries", "resolve_output"]
+
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+# .<name>.<host>.<pid>.<random>.tmp: a leading dot and a .tmp suffix, so no listing takes it for the real file
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
+
+
+def resolve_output(path: str | Path) -> Path:
+    """Where writing ``path`` actually writes: the path itself, or the file a symbolic link points to."""
+    target = Path(path)
+    return target.resolve(strict=False) if target.is_symlink() else target
+
+
+def _is_special(path: Path) -> bool:
+    """A device, a pipe or a socket: something to write into, never to replace."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def check_output(path: str | Path, what: str) -> Path:
+    """Check now that ``path`` can be written, so a run does not fail (or lose its results) at its end.
+
+    Returns the path that will be written (a symbolic link's target). Creates no file; may create no directory
+    either (the missing ones are checked against the first existing parent).
+
+    Raises:
+        ConfigError: naming ``what`` (e.g. ``--metrics-out``): the path is a directory, lies under a file, or its
+            directory cannot be written.
+    """
+    target = resolve_output(path)
+    if target.is_dir():
+        raise ConfigError(f"{what} {path}: is a directory; give a file name inside it")
+    if _is_special(target):
+        if not os.access(target, os.W_OK):
+            raise ConfigError(f"{what} {path}: {target} cannot be written; choose another path")
+        return target
+    parent = target.parent
+    while not parent.exists():
+        if parent.is_symlink():  # a dangling link on the way: creating "through" it would surprise
+            raise ConfigError(f"{what} {path}: {parent} is a broken symbolic link; fix it or choose another path")
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {path}: {parent} is a file, so nothing can be created under it; choose a path")
+    probe = parent / f".paratrain-probe.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"{what} {path}: cannot create files in {parent} ({err.strerror or err}); choose a writable path"
+        ) from err
+    return target
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | Path, mode: str = "wb", *, durable: bool = False) -> Iterator[IO[Any]]:
+    """A file object whose contents replace ``path`` only once the block completes (see the module docstring).
+
+    ``durable``: fsync the data and the directory entry, so the new file survives a power cut (checkpoints).
+    On an exception the temporary file is removed and ``path`` is left as it was.
+    """
+    target = resolve_output(path)
+    if target.is_dir():
+        raise IsADirectoryError(21, "Is a directory", str(target))
+    if _is_special(target):
+        with open(target, mode) as stream:
+            yield stream
+        return
+    directory = target.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f".{target.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    # O_EXCL: never write into someone else's file; 0o666 lets the umask decide the mode as for any file
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, mode) as stream:
+            yield stream
+            stream.flush()
+            if durable:
+                os.fsync(stream.fileno())
+        os.replace(temporary, target)
+        if durable:
+            _fsync_directory(directory)
+    finally:
+        # a no-op after the rename; after a failure (or Ctrl-C) it removes the partial file
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(directory: str | Path) -> list[Path]:
+    """Delete the temporary files in ``directory`` left by writers on this machine that no longer run.
+
+    A writer killed mid-write (SIGKILL, a power cut) leaves its temporary file behind; one still running, or
+    one on another machine sharing the directory, is left alone. Returns the deleted paths.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _TEMPORARY.fullmatch(entry.name)
+        if match is None or match["host"] != _HOST or _alive(int(match["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            entry.unlink()
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is durable only once the directory entry is on disk; without this a power cut just after
+    # os.replace can bring back the old file, or no file at all.
+    if os.name != "posix":
+        return  # Windows cannot open a directory for fsync; NTFS journals the rename itself
+    # Some network and FUSE file systems refuse fsync on a directory. The file's data is already synced, so a
+    # refusal costs only the power-cut guarantee for the rename, not worth failing a write that succeeded.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
