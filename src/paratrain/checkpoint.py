@@ -36,6 +36,7 @@ import torch
 from .errors import CheckpointError, ConfigError
 from .files import atomic_writer
 from .state_dicts import describe_keys
+from .tree import map_tensors
 
 __all__ = [
     "FORMAT",
@@ -211,7 +212,8 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     except OSError as err:
         raise CheckpointError(f"cannot read checkpoint {path}: {_describe_os_error(err)}") from err
     try:
-        loaded = torch.load(path, map_location=map_location, weights_only=True)
+        # read on the CPU: the digest is checked there, before anything moves to map_location
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(_explain_load_failure(path, head, err)) from err
 
@@ -237,11 +239,14 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
             f"{path} was written by a newer paratrain (format version {version}; this one reads up to "
             f"{FORMAT_VERSION}). Upgrade paratrain to resume from it."
         )
+    written = loaded.get("digest")  # format version 1 had none: nothing to check
     state = {key: value for key, value in loaded.items() if key not in _MARKER_KEYS}
-    written = state.pop("digest", None)  # format version 1 had none: nothing to check
     if written is not None and written != state_digest(state):
         raise CheckpointError(_damaged(path))
-    return state
+    if torch.device(map_location) == torch.device("cpu"):
+        return state
+    moved: dict[str, Any] = map_tensors(lambda t: t.to(map_location), state)
+    return moved
 
 
 def _damaged(path: Path) -> str:

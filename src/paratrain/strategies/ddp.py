@@ -11,7 +11,6 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,9 +132,9 @@ class DistributedStrategy(Strategy):
         return dist.get_world_size() if dist.is_initialized() else 1
 
     def world_devices(self) -> list[str]:
-        names: list[Any] = [None] * self.world_size
-        dist.all_gather_object(names, str(self._device))
-        return [str(n) for n in names]
+        # the names as bytes in a tensor: nothing is unpickled from the other ranks
+        mine = torch.tensor(list(str(self._device).encode()), dtype=torch.uint8)
+        return [bytes(part.tolist()).decode() for part in self.all_gather(mine)]
 
     def describe(self) -> str:
         return f"ddp, {self.world_size} processes, on {self._device.type}"

@@ -1,0 +1,156 @@
+"""Bad input, damaged files and what a job exposes, tried as a careful new user and as a hostile tester would."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from paratrain.errors import CheckpointError
+from paratrain.training import TrainConfig, train
+from processes import descendants, run_cli, start_cli
+
+# --- numbers and flag combinations: exit 2 with one line, before anything starts --------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lr", "inf"], "--lr: expected a finite number, found 'inf'"),
+        (["--lr", "1e300"], "--lr must be positive and below 3.4e+38; found 1e+300"),
+        (["--timeout", "inf"], "--timeout: expected a finite number, found 'inf'"),
+        (["--momentum", "nan"], "--momentum: expected a finite number, found 'nan'"),
+        (["--strategy", "ddp", "--devices", "cpu,cpu"], "--strategy ddp runs one process per device and takes"),
+        (["--strategy", "single", "--nproc-per-node", "2"], "--nproc-per-node start processes for strategy ddp"),
+        (["--strategy", "single", "--timeout", "5"], "timeout is for strategy 'ddp'"),
+        (["--metrics-out", "/proc/version/x.json"], "--metrics-out /proc/version/x.json: /proc/version is a file"),
+    ],
+)
+def test_bad_numbers_and_combinations_exit_2_with_one_line_before_any_work(args, message):
+    started = time.monotonic()
+    result = run_cli("train", "--epochs", "1", *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and result.stderr.strip().count("\n") == 0
+    assert "Traceback" not in result.stderr and "Epoch" not in result.stdout
+    assert time.monotonic() - started < 60  # refused up front, not after a run
+
+
+def test_an_unwritable_metrics_path_is_refused_before_training_not_after(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    result = run_cli("train", "--metrics-out", str(blocker / "m.json"))
+    assert result.returncode == 2 and "nothing can be created under it" in result.stderr
+    assert result.stdout == ""  # not one step: the results would have been lost at the end
+
+
+def test_a_run_that_diverges_stops_with_an_error_instead_of_exiting_0():
+    result = run_cli("train", "--epochs", "1", "--quiet", "--lr", "1e30")
+    assert result.returncode == 1 and "the training loss became" in result.stderr and "diverged" in result.stderr
+
+
+# --- a damaged checkpoint ------------------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_with_flipped_bytes_is_refused_naming_the_last_good_one(tmp_path):
+    """64 bytes flipped in the middle of the file (inside a tensor): loaded silently before digests."""
+    state = {"model": {"w": torch.randn(256, 256)}, "step": 1}
+    good = save_checkpoint(state, tmp_path, "epoch-0000-step-000010.pt")
+    damaged = save_checkpoint({**state, "step": 2}, tmp_path, "epoch-0000-step-000020.pt")
+    data = bytearray(damaged.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"is damaged: its contents do not match the digest") as info:
+        load_checkpoint(damaged)
+    assert f"The newest checkpoint before it that verifies is {good}" in str(info.value)
+    assert load_checkpoint(good)["step"] == 1
+
+
+def test_resume_refuses_a_damaged_checkpoint_from_the_command_line(tmp_path):
+    directory = tmp_path / "ckpt"
+    first = run_cli("train", "--epochs", "2", "--quiet", "--checkpoint-dir", str(directory))
+    assert first.returncode == 0, first.stderr
+    newest = latest_checkpoint(directory)
+    data = bytearray(newest.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(64)
+    newest.write_bytes(bytes(data))
+    result = run_cli("train", "--epochs", "3", "--quiet", "--checkpoint-dir", str(directory), "--resume")
+    assert result.returncode == 1 and "is damaged" in result.stderr
+    assert str(list_checkpoints(directory)[-2]) in result.stderr
+
+
+# --- settings on resume: those that may change take effect, and are recorded ---------------------------------------
+
+
+def test_a_new_learning_rate_on_resume_is_used_and_recorded(tmp_path):
+    directory = tmp_path / "ckpt"
+    train(TrainConfig(epochs=1, quiet=True, checkpoint_dir=str(directory)))
+    resume = str(latest_checkpoint(directory))
+    same = train(TrainConfig(epochs=2, quiet=True, checkpoint_dir=str(tmp_path / "a"), resume=resume))
+    faster = train(TrainConfig(epochs=2, lr=0.05, quiet=True, checkpoint_dir=str(tmp_path / "b"), resume=resume))
+    assert faster.lr == 0.05 and faster.optimizer_settings["lr"] == 0.05
+    assert same.optimizer_settings["lr"] == 0.01
+    assert faster.model_fingerprint != same.model_fingerprint  # the new rate really trained
+    state = load_checkpoint(latest_checkpoint(tmp_path / "b"))
+    assert state["optimizer"]["param_groups"][0]["lr"] == 0.05
+    with pytest.raises(CheckpointError, match="batch_size: checkpoint 64, this run 32"):
+        train(TrainConfig(epochs=2, batch_size=32, quiet=True, resume=resume))
+
+
+# --- what a job exposes ----------------------------------------------------------------------------------------------
+
+
+def _listening_sockets(pids: list[int]) -> list[str]:
+    """The TCP addresses the given processes listen on, read from /proc (address:port, hex as the kernel has it)."""
+    inodes = set()
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        try:
+            for fd in fd_dir.iterdir():
+                target = str(fd.readlink()) if fd.is_symlink() else ""
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1])
+    return found
+
+
+def _is_loopback(hex_address: str) -> bool:
+    address = hex_address.split(":")[0]
+    if len(address) == 8:  # IPv4, little-endian: 0100007F is 127.0.0.1
+        return bytes.fromhex(address)[::-1][0] == 127
+    return address == "00000000000000000000000001000000"  # ::1
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux's /proc to list listening sockets")
+def test_a_one_machine_job_listens_on_loopback_only():
+    """torchrun's stores listen on every interface by default; a one-machine job through paratrain does not."""
+    proc = start_cli("train", "--strategy", "ddp", "--nproc-per-node", "2", "--dataset", "digits60k", "--quiet")
+    try:
+        deadline = time.monotonic() + 120
+        listening: list[str] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            listening = _listening_sockets([proc.pid, *descendants(proc.pid)])
+            if len(listening) >= 3:  # the rendezvous store, the workers' store and gloo's listeners
+                break
+            time.sleep(0.2)
+        assert listening, "the job listened on nothing, so this test proved nothing"
+        assert all(_is_loopback(a) for a in listening), listening
+    finally:
+        for pid in [*descendants(proc.pid), proc.pid]:  # the launcher's children first: they have their own session
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()

@@ -1,0 +1,131 @@
+"""Writing files without destroying what is not ours: regular files, devices, links, directories, dead writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from paratrain.errors import ConfigError
+from paratrain.files import atomic_writer, check_output, remove_stale_temporaries
+from processes import run_cli
+
+
+def _write(path: Path | str, text: str) -> None:
+    with atomic_writer(path, "w") as f:
+        f.write(text)
+
+
+def test_a_regular_file_is_replaced_whole(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    _write(target, "new")
+    assert target.read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary left
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), atomic_writer(target, "w") as f:
+        f.write("half")
+        raise RuntimeError("crash mid-write")
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_a_device_is_written_through_never_replaced():
+    """A pseudo-terminal is a character device we own: written into, and still a device afterwards."""
+    primary, secondary = os.openpty()
+    try:
+        device = os.ttyname(secondary)
+        _write(device, "through the device\n")
+        assert stat.S_ISCHR(os.stat(device).st_mode)
+        assert b"through the device" in os.read(primary, 1024)
+    finally:
+        os.close(primary)
+        os.close(secondary)
+
+
+def test_a_symbolic_link_is_followed_and_stays_a_link(tmp_path):
+    real = tmp_path / "real" / "metrics.json"
+    real.parent.mkdir()
+    real.write_text("stale")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    _write(link, "fresh")
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_text() == "fresh"
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "later.json")
+    _write(dangling, "created where the link points")
+    assert dangling.is_symlink() and (tmp_path / "later.json").read_text() == "created where the link points"
+
+
+def test_a_directory_is_refused(tmp_path):
+    with pytest.raises(IsADirectoryError):
+        _write(tmp_path, "x")
+    with pytest.raises(ConfigError, match="is a directory"):
+        check_output(tmp_path, "--metrics-out")
+
+
+@pytest.mark.parametrize(
+    "relative, message",
+    [
+        ("file/below.json", r"file is a file, so nothing can be created under it"),
+        ("dir", r"is a directory"),
+    ],
+)
+def test_check_output_says_what_is_wrong_before_anything_runs(tmp_path, relative, message):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(ConfigError, match=message):
+        check_output(tmp_path / relative, "--metrics-out")
+    assert check_output(tmp_path / "new" / "deep" / "m.json", "--metrics-out") == tmp_path / "new" / "deep" / "m.json"
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+
+
+def test_temporaries_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
+    """A writer SIGKILLed mid-write leaves its temporary file; the next run removes it, not a live writer's."""
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from paratrain.files import atomic_writer
+        with atomic_writer(sys.argv[1], "w") as f:
+            f.write("half a checkpoint")
+            f.flush()
+            os._exit(9)  # dies inside the write: nothing cleans up
+        """
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "c.pt")], check=False, timeout=60)
+    (dead,) = tmp_path.glob(".c.pt.*.tmp")
+    with atomic_writer(tmp_path / "other.pt", "w") as f:  # this process's own write, still under way
+        f.write("in progress")
+        (live,) = tmp_path.glob(".other.pt.*.tmp")
+        assert remove_stale_temporaries(tmp_path) == [dead]
+        assert live.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.pt"]
+
+
+def test_metrics_out_to_a_device_or_a_link_keeps_it_what_it_was(tmp_path):
+    """The reported case: --metrics-out at a device turned it into a regular file. A link must stay a link."""
+    real = tmp_path / "results" / "m.json"
+    real.parent.mkdir()
+    link = tmp_path / "latest.json"
+    link.symlink_to(real)
+    primary, secondary = os.openpty()
+    try:
+        for target in (str(link), os.ttyname(secondary)):
+            result = run_cli("train", "--epochs", "1", "--quiet", "--metrics-out", target)
+            assert result.returncode == 0, result.stderr
+        assert stat.S_ISCHR(os.stat(os.ttyname(secondary)).st_mode)
+        assert b"model_fingerprint" in os.read(primary, 1 << 16)
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    assert link.is_symlink() and "model_fingerprint" in json.loads(real.read_text())
