@@ -330,3 +330,57 @@ def watchdog_ends_a_hang(rank: int, world: int) -> float:
             return time.monotonic() - start
         time.sleep(0.05)
     return float("inf")
+
+
+def clean_at_exit(rank: int, world: int) -> dict[str, Any]:
+    """Nothing the wrapper leaves behind may need the GIL while the interpreter finalizes, and no thread of ours
+    outlives the wrapper or the process group.
+
+    A gloo Work copies the thread-local state when it is created; inside backward that state holds the Python
+    Context torch stashes for the backward, and a Work freed last by gloo's thread during finalization aborts the
+    process (SIGABRT after a finished job). Count the references the gradient all-reduces hold to that Context,
+    and watch the board's thread. Run last: it destroys the process group.
+    """
+    import gc
+    import sys
+    import threading
+
+    kept: list[Any] = []
+    original = dist.all_reduce
+
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        work = original(*args, **kwargs)
+        kept.append(work)
+        return work
+
+    net = mlp()
+    ddp = DDP(net, timeout=30)
+    contexts: list[Any] = []
+    next(net.parameters()).register_post_accumulate_grad_hook(
+        lambda p: contexts.append(torch._C._get_obj_in_tls("context"))
+    )
+    x, y = batches(1)[0]
+    dist.all_reduce = keeping
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+    finally:
+        dist.all_reduce = original
+    gc.collect()
+    refs_from_works = sys.getrefcount(contexts[0]) - 2  # less this list's and getrefcount's own
+    collected = ddp.monitor._board._thread
+    alive = collected.is_alive()
+    kept.clear()
+    del ddp
+    gc.collect()
+    closed = DDP(mlp(), timeout=30)
+    closed_thread = closed.monitor._board._thread
+    closed.close()
+    dist.destroy_process_group()
+    ours = [t.name for t in threading.enumerate() if t.name.startswith("paratrain")]
+    return {
+        "context_refs_from_works": refs_from_works,
+        "board_alive": alive,
+        "board_after_del": collected.is_alive(),
+        "board_after_close": closed_thread.is_alive(),
+        "threads_left": ours,
+    }

@@ -6,6 +6,7 @@ import pytest
 
 from ddp_scenarios import (
     buffers_and_state_dict,
+    clean_at_exit,
     comm_hooks,
     equals_single_and_torch,
     gradient_as_bucket_view,
@@ -35,6 +36,7 @@ def _suite(rank: int, world: int) -> dict:
         startup_mismatch,
         buffers_and_state_dict,
         join_uneven,
+        clean_at_exit,  # last: it destroys the process group
     ):
         found[scenario.__name__] = scenario(rank, world)
     return found
@@ -109,6 +111,15 @@ def test_uneven_inputs_finish_under_join(suite):
     world, ranks = suite
     assert [found["join_uneven"]["done"] for found in ranks] == [2 + 2 * r for r in range(world)]
     assert ranks[-1]["join_uneven"]["vs_replay"] < 1e-5
+
+
+def test_nothing_left_that_needs_the_gil_at_exit_and_no_thread_of_ours(suite):
+    """The SIGABRT after a finished job: gradient Works held backward's Python Context (see collectives.py)."""
+    for found in suite[1]:
+        r = found["clean_at_exit"]
+        assert r["context_refs_from_works"] == 0
+        assert r["board_alive"] and not r["board_after_del"] and not r["board_after_close"]
+        assert r["threads_left"] == []
 
 
 def test_parallel_with_global_batches_smaller_than_the_world(suite):

@@ -56,6 +56,7 @@ class Board:
         self._latest = 0
         self._beat = 0
         self._stopped = False
+        self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"paratrain-{namespace}-board", daemon=True)
         self._thread.start()
@@ -66,10 +67,17 @@ class Board:
         self._wake.set()
 
     def close(self) -> None:
-        """Stop publishing (before the process group and its store go away)."""
+        """Stop publishing and join the thread; safe to call twice.
+
+        Before the process group and its store go away, and before the interpreter finalizes: a thread that
+        returns from ``store.set`` (which releases the GIL) while the interpreter finalizes is ended by
+        ``pthread_exit`` inside pybind11's GIL guard, and that aborts the process.
+        """
         self._stopped = True
+        self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
     def _key(self, group_rank: int) -> str:
         return f"{self._prefix}/{self._global_ranks[group_rank]}"
@@ -95,7 +103,7 @@ class Board:
                 except Exception:  # the store went away (shutdown, or its host died): nothing left to report to
                     return
                 written = entry
-            time.sleep(_MIN_GAP_S)
+            self._stop.wait(_MIN_GAP_S)  # a pause that close() cuts short
 
     def read(self) -> dict[int, tuple[int, int] | None]:
         """Every other rank's (count, heartbeat), by global rank; None where it cannot be read."""

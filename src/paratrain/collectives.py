@@ -27,20 +27,23 @@ and ``paratrain train`` ends the process at once with exit code 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .board import Board
 from .errors import DistributedError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor", "to_seconds", "wait_work", "wedged"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor", "no_python_in_work", "to_seconds", "wait_work", "wedged"]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the other ranks, everywhere in paratrain
 EXIT_COLLECTIVE_FAILED = 1
@@ -74,6 +77,36 @@ def wait_work(work: Any, timeout: float | None) -> bool:
             return False
         raise
     return True
+
+
+_TLS_KEY = "context"  # torch's backward stashes contextvars.copy_context() in thread-local storage under this
+_HAS_TLS_API = all(
+    hasattr(torch._C, name)
+    for name in ("_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls", "_stash_obj_in_tls")
+)
+
+
+@contextlib.contextmanager
+def no_python_in_work() -> Iterator[None]:
+    """Launch collectives whose ``Work`` holds no Python object.
+
+    A gloo ``Work`` copies the thread-local state when it is created; inside backward (where the reducer launches
+    its buckets) that state holds the Python ``contextvars.Context`` torch stashed for the backward. Gloo's own
+    thread usually drops the last reference to a finished Work, and freeing that Context takes the GIL: if the
+    interpreter is finalizing by then, CPython ends the thread with ``pthread_exit``, whose unwinding through
+    the Work's ``noexcept`` destructor calls ``std::terminate`` ("terminate called without an active
+    exception"): a finished job's worker dies with SIGABRT. Hiding the stash while the collective is enqueued
+    leaves nothing in the Work that needs the GIL. (torch's own DDP launches from C++ without the stash.)
+    """
+    if not (_HAS_TLS_API and torch._C._is_key_in_tls(_TLS_KEY)):
+        yield
+        return
+    stashed = torch._C._get_obj_in_tls(_TLS_KEY)
+    torch._C._remove_obj_from_tls(_TLS_KEY)
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls(_TLS_KEY, stashed)
 
 
 def _default_store() -> Any:

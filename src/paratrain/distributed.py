@@ -99,6 +99,9 @@ class DistributedDataParallel(nn.Module):
 
         namespace = self._start_up(to_seconds(timeout))
         self.monitor = CollectiveMonitor(self.process_group, timeout, namespace=namespace)
+        # stops the monitor's thread when the wrapper is collected, and at interpreter exit (weakref.finalize runs
+        # from atexit, before finalization) for a wrapper still alive then and never closed
+        self._finalizer = weakref.finalize(self, self.monitor.close)
         self._broadcast(list(module.parameters()) + list(module.buffers()), "start-up broadcast of rank 0's state")
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.reducer = Reducer(
@@ -237,7 +240,7 @@ class DistributedDataParallel(nn.Module):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
-        self.monitor.close()
+        self._finalizer()  # monitor.close(), once
 
     def extra_repr(self) -> str:
         return (

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import Bucket, assign_buckets
-from .collectives import CollectiveMonitor
+from .collectives import CollectiveMonitor, no_python_in_work
 from .comm_hooks import CommHook, GradBucket
 from .errors import DistributedError
 from .tree import flatten
@@ -73,6 +73,8 @@ class Reducer:
         self.hook: CommHook | None = None
         self.hook_state: Any = group
         self.state = _IDLE
+        self._retired: list[Any] = []  # the last step's handles (see _retire)
+        self._extra: list[Any] = []  # this step's handles outside the buckets (the unused-parameter map)
         self._reset()
 
     def _reset(self) -> None:
@@ -163,9 +165,13 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         seq = self.monitor.launched()
+        with no_python_in_work():
+            handle = self._start(b)
+        self._launched.append((handle, seq))
+
+    def _start(self, b: int) -> Any:
         if self.hook is None:
-            self._launched.append((dist.all_reduce(self.buffers[b], group=self.group, async_op=True), seq))
-            return
+            return dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
         bucket = self.buckets[b]
         grad_bucket = GradBucket(
             b,
@@ -175,7 +181,7 @@ class Reducer:
             b == len(self.buckets) - 1,
             self.world_size,
         )
-        self._launched.append((self.hook(self.hook_state, grad_bucket), seq))
+        return self.hook(self.hook_state, grad_bucket)
 
     def finish(self) -> None:
         """End of backward: launch what is left, wait for every bucket, write the averages into ``.grad``."""
@@ -205,11 +211,23 @@ class Reducer:
         finally:
             self.state = _IDLE
             self._callback_queued = False
-            self._launched = []  # no finished work outlives the step
+            self._retire()
 
     def _reduce_used(self) -> tuple[Any, int]:
         seq = self.monitor.launched()
-        return dist.all_reduce(self._used, group=self.group, async_op=True), seq
+        with no_python_in_work():
+            handle = dist.all_reduce(self._used, group=self.group, async_op=True)
+        self._extra.append(handle)
+        return handle, seq
+
+    def _retire(self) -> None:
+        """Keep this step's handles until the next step ends, and let go of the previous step's.
+
+        As torch's reducer keeps its bucket works: the backend's thread that ran a collective then never holds
+        the last reference to it, so it never frees it (nor what it holds) while the interpreter shuts down.
+        """
+        self._retired = [handle for handle, _ in self._launched] + self._extra
+        self._launched, self._extra = [], []
 
     def _write_back(self, used: list[int] | None) -> None:
         for i, p in enumerate(self.params):
@@ -238,6 +256,7 @@ class Reducer:
             self.monitor.wait(handle, seq, f"gradient all-reduce of bucket {b}{suffix}")
         if used is not None:
             self.monitor.wait(used[0], used[1], f"unused-parameter map{suffix}")
+        self._retire()
         self._reset()
 
 

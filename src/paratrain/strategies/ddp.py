@@ -35,17 +35,6 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def _import_dynamo_first() -> None:
-    """Import torch._dynamo before the process group exists.
-
-    torch.optim imports torch._dynamo on first use; imported after init_process_group, it keeps the group
-    alive past destroy_process_group (seen with torch 2.13), so gloo's threads outlive it and, at interpreter
-    exit, free Python-owned tensors without the GIL: the process aborts ("terminate called without an active
-    exception") after training finished. Imported first, the group is released as it should be.
-    """
-    import torch._dynamo  # noqa: F401
-
-
 def _init_process_group(backend: str, timeout: timedelta) -> None:
     """``init_process_group`` from torchrun's variables; after a restart, under a prefix of its own.
 
@@ -96,7 +85,6 @@ class DistributedStrategy(Strategy):
                 self._device = torch.device("cuda", local_rank)
                 torch.cuda.set_device(self._device)
             backend = "nccl" if use_cuda else "gloo"
-            _import_dynamo_first()
             _init_process_group(backend, timedelta(seconds=max(self._timeout, 60.0)))
             self._owns_group = True
         elif dist.get_backend() == "nccl":
