@@ -209,3 +209,28 @@ def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
     mine, theirs = (load_checkpoint(latest_checkpoint(d))["model"] for d in (directory, reference))
     for key in theirs:
         torch.testing.assert_close(mine[key], theirs[key], atol=1e-4, rtol=0)
+
+
+# --- a rendezvous no one answers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("meet", ["static", "c10d"])
+def test_an_endpoint_no_one_answers_fails_within_the_rendezvous_timeout_naming_it(meet):
+    """Node 1 of 2 waits for a node 0 that never starts (static), or for a second node that never joins (c10d)."""
+    port = free_port()
+    where = (
+        ["--node-rank", "1", "--master-addr", "127.0.0.2", "--master-port", str(port)]
+        if meet == "static"
+        else ["--rdzv-endpoint", f"127.0.0.2:{port}"]
+    )
+    started = time.monotonic()
+    result = run_cli(
+        "launch", "--nnodes", "2", "--nproc-per-node", "1", *where, "--rdzv-timeout", "5",
+        str(Path(__file__).parent / "scripts" / "dist_probe.py"), "/nonexistent",
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("paratrain launch: error: the nodes did not meet") and f"127.0.0.2:{port}" in last
+    assert "--rdzv-timeout 5 s" in last
+    assert took < 2 * 5 + 40, f"{took:.0f} s"  # twice the timeout, plus start-up on a loaded machine

@@ -29,6 +29,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+EXIT_RENDEZVOUS_FAILED = 75  # launch() turns it into an error naming the endpoint and the timeout
+
 
 def _one_grace(seconds: int) -> None:
     try:
@@ -118,7 +120,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed.run import main as torchrun_main
 
     sys.argv = ["torchrun", *args[split + 1 :]]
-    torchrun_main()
+    try:
+        torchrun_main()
+    except _rendezvous_failures() as exc:
+        # the nodes never met: launch() says where and for how long they waited; torch's own trace is above
+        print(f"paratrain._torchrun: the rendezvous failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(EXIT_RENDEZVOUS_FAILED)
+
+
+def _rendezvous_failures() -> tuple[type[BaseException], ...]:
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    return (RendezvousError, dist.DistNetworkError, dist.DistStoreError)
 
 
 if __name__ == "__main__":

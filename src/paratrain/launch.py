@@ -41,6 +41,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ._torchrun import EXIT_RENDEZVOUS_FAILED
 from .errors import ConfigError, DistributedError
 from .supervise import supervise
 
@@ -417,9 +418,31 @@ def launch(
         )
     command = [sys.executable, "-m", "paratrain._torchrun", *_wrapper_args(config), "--", *args]
     try:
-        return supervise(command, env=_worker_env(config), timeout=timeout)
+        code = supervise(command, env=_worker_env(config), timeout=timeout)
     except subprocess.TimeoutExpired:
         raise DistributedError(
             f"the job did not finish within {timeout:g} s, so torchrun and its workers were stopped; "
             "look for a rank that hangs in a collective above, or raise the timeout"
         ) from None
+    if code == EXIT_RENDEZVOUS_FAILED:
+        raise DistributedError(_rendezvous_failed(config))
+    return code
+
+
+def _rendezvous_failed(config: LaunchConfig) -> str:
+    if config.rdzv_endpoint is not None:
+        where = f"the c10d rendezvous at {config.rdzv_endpoint}"
+    elif config.master_port is not None:
+        where = f"node 0 at {config.master_addr or '127.0.0.1'}:{config.master_port}"
+    else:
+        where = "the one-node rendezvous on this machine"
+    waited = (
+        f"within --rdzv-timeout {config.rdzv_timeout} s (torch tries to connect twice, so up to twice that)"
+        if config.rdzv_timeout is not None
+        else "within torch's default wait (600 s for c10d, 900 s for the static rendezvous; --rdzv-timeout sets it)"
+    )
+    return (
+        f"the nodes did not meet: {where} did not answer, or not every node joined, {waited}. Start the node that "
+        f"hosts it, check the address, the port and any firewall between the machines, and that --nnodes is "
+        f"the number of machines you start"
+    )
