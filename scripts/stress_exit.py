@@ -1,7 +1,7 @@
 """Does a finished job exit 0 every time? Runs real jobs many times and counts those that did not.
 
-    python scripts/stress_exit.py                       # 200 runs of each ending of scripts/exit_probe.py, 3 ranks
-    python scripts/stress_exit.py --runs 20 --train-runs 10   # shorter
+    python scripts/stress_exit.py        # 200 runs of a plain script (wrapper alive at exit), 100 of each other ending
+    python scripts/stress_exit.py --runs 20 --other-runs 10 --train-runs 10   # shorter
     python scripts/stress_exit.py --train-runs 100 --runs 0   # paratrain train --strategy ddp only
 
 Each probe run is `python -m torch.distributed.run --standalone --nproc-per-node 3 scripts/exit_probe.py --ending E`
@@ -36,7 +36,8 @@ def _run(command: list[str], timeout: float) -> tuple[int | str, bool, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=200, help="runs of each ending of the probe script")
+    parser.add_argument("--runs", type=int, default=200, help="runs of the plain probe script (ending: destroy)")
+    parser.add_argument("--other-runs", type=int, default=100, help="runs of each other ending of the probe")
     parser.add_argument("--train-runs", type=int, default=100, help="runs of paratrain train --strategy ddp")
     parser.add_argument("--procs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=180, help="seconds one run may take")
@@ -44,7 +45,11 @@ def main() -> int:
     args = parser.parse_args()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.procs}"]
     cases = {
-        f"probe, {ending}": ([*torchrun, "scripts/exit_probe.py", "--ending", ending], args.runs) for ending in ENDINGS
+        f"probe, {ending}": (
+            [*torchrun, "scripts/exit_probe.py", "--ending", ending],
+            args.runs if ending == "destroy" else args.other_runs,
+        )
+        for ending in ENDINGS
     }
     train = [sys.executable, "-m", "paratrain", "train", "--strategy", "ddp", "--nproc-per-node", str(args.procs)]
     cases["paratrain train --strategy ddp"] = ([*train, "--epochs", "1", "--quiet"], args.train_runs)

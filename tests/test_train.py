@@ -211,7 +211,7 @@ def test_cli_quiet_prints_only_the_result():
         (["--model", "resnet"], 2, "unknown model 'resnet'; choose one of: simplenet, demo, mlp, cnn"),
         (["--batch-size", "0"], 2, "--batch-size must be at least 1; found 0"),
         (["--batch-size", "many"], 2, "--batch-size: expected an integer, found 'many'"),
-        (["--lr", "-1"], 2, "--lr must be positive; found -1.0"),
+        (["--lr", "-1"], 2, "--lr must be positive and below 3.4e+38; found -1.0"),
         (["--devices", "cuda:7"], 2, "cuda:7"),
         (["--devices", "cpu,cpu", "--strategy", "single"], 2, "runs on one device"),
         (["--resume"], 2, "--resume needs --checkpoint-dir"),
@@ -228,8 +228,8 @@ def test_cli_runtime_errors_exit_1(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     result = _cli("--checkpoint-dir", str(blocker / "sub"), "--epochs", "1")
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert str(blocker / "sub") in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr  # found before training: a usage error
+    assert str(blocker / "sub") in result.stderr and "is a file" in result.stderr
     result = _cli("--checkpoint-dir", str(tmp_path / "empty"), "--resume")
     assert result.returncode == 1 and "no checkpoint in" in result.stderr
 

@@ -15,52 +15,32 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
-from ..checkpoint import check_writable, checkpoint_name, latest_checkpoint, load_checkpoint, prune_checkpoints
-from ..errors import CheckpointError, TrainingError
+from ..checkpoint import check_writable
+from ..errors import TrainingError
 from ..files import remove_stale_temporaries
 from ..launch import restart_count
 from ..parallel import Parallel, seed_everything
-from ..precision import Precision
-from ..rng import rng_state, set_rng_state
-from ..state_dicts import check_compatible
-from .config import RESUME_MODES, TrainConfig
+from .config import TrainConfig
 from .datasets import TensorData, load_dataset
 from .loader import DeviceLoader
 from .logs import RunLog
 from .model_spec import build_model_spec
-from .optimizers import apply_settings, build_optimizer, build_scheduler, optimizer_settings, restore_scheduler
+from .optimizers import apply_settings, build_optimizer, build_scheduler, optimizer_settings
 from .progress import Progress
 from .recovery import ProgressLog
 from .results import TrainResult, fingerprint, write_metrics
+from .state import Position, find_resume, restore, save
 from .stepper import Stepper
 from .timing import StepTimer, time_breakdown
 from .tracking import Tracker
 
 __all__ = ["evaluate", "train"]
-
-# what must match between a checkpoint and the run that resumes from it
-_IDENTITY = ("model", "dataset", "batch_size", "seed", "width", "depth", "optimizer", "lr_schedule", "precision")
-# what checkpoints written before a setting existed ran with
-_IDENTITY_BEFORE = {"optimizer": "sgd", "lr_schedule": "constant", "precision": "32"}
-
-
-@dataclass
-class _Position:
-    """Where the run is: the next batch to train, and the epoch's running loss."""
-
-    epoch: int = 0
-    batch: int = 0
-    global_step: int = 0
-    loss_sum: float = 0.0
-    loss_count: int = 0
 
 
 def evaluate(par: Parallel, model: nn.Module, data: TensorData, batch_size: int = 1024) -> float:
@@ -110,7 +90,7 @@ class _Run:
         # unfinished; the main process keeps the record, so its answer holds in every process
         continuing = torch.tensor([int(restart_count() > 0 or self.recovery.interrupted())], dtype=torch.int64)
         self.continuing = bool(par.broadcast(continuing)[0])
-        self.resume_path = _find_resume(config, self.checkpoints, self.continuing)
+        self.resume_path = find_resume(config, self.checkpoints, self.continuing)
         self.splits = load_dataset(config.dataset, config.data_dir, verify=config.verify_data)
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
         model = build_model_spec(
@@ -129,9 +109,9 @@ class _Run:
         self.scheduler = build_scheduler(
             optimizer, config.lr_schedule, warmup_steps=config.warmup_steps, total_steps=config.epochs * len(loader)
         )
-        self.pos = _Position()
+        self.pos = Position()
         if self.resume_path is not None:
-            self.pos = _restore(self.resume_path, config, model, optimizer, self.scheduler, par.precision)
+            self.pos = restore(self.resume_path, config, model, optimizer, self.scheduler, par.precision)
             # settings a resumed run may change (learning rate, momentum, weight decay, betas) take effect: the
             # checkpoint's optimizer state brought back the old ones
             apply_settings(
@@ -258,7 +238,7 @@ class _Run:
                 f"instead of training on to a meaningless model"
             )
         self.epoch_accuracy.append(evaluate(par, self.model, self.splits.test, config.eval_batch_size))
-        self.pos = _Position(epoch + 1, 0, pos.global_step)
+        self.pos = Position(epoch + 1, 0, pos.global_step)
         self.say(
             f"Epoch {epoch} done: train loss {self.epoch_losses[-1]:.4f}, test accuracy {self.epoch_accuracy[-1]:.2%}"
         )
@@ -278,7 +258,7 @@ class _Run:
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "precision": self.par.precision.state_dict(),
             }
-            _save(self.par, self.checkpoints, self.config, self.model, self.optimizer, self.pos, extra)
+            save(self.par, self.checkpoints, self.config, self.model, self.optimizer, self.pos, extra)
 
     def _result(self, loop_seconds: float) -> TrainResult:
         config, par, pos = self.config, self.par, self.pos
@@ -331,98 +311,3 @@ def _reduced_loss(par: Parallel, loss_sum: torch.Tensor, count: int) -> tuple[fl
         torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=loss_sum.device)]), "sum"
     )
     return float(both[0]), int(both[1])
-
-
-def _find_resume(config: TrainConfig, checkpoints: Path | None, continuing: bool) -> Path | None:
-    """The checkpoint to start from: the one asked for, or after a restart the latest one written."""
-    if continuing and checkpoints is not None:
-        # the launcher restarted this worker after a failure: continue from the newest checkpoint, which may be
-        # newer than the one the first attempt resumed from
-        latest = latest_checkpoint(checkpoints)
-        if latest is not None:
-            return latest
-    if config.resume is None:
-        return None
-    if config.resume not in RESUME_MODES:
-        path = Path(config.resume)
-        if not path.is_file():
-            raise CheckpointError(f"--resume {config.resume}: no such checkpoint file")
-        return path
-    assert checkpoints is not None  # validate() requires it
-    latest = latest_checkpoint(checkpoints)
-    if latest is None and config.resume == "latest":
-        raise CheckpointError(
-            f"--resume: no checkpoint in {checkpoints}; drop --resume to start from scratch, or use "
-            f"--resume if-exists to start from scratch only when there is none"
-        )
-    return latest
-
-
-def _identity(config: TrainConfig) -> dict[str, Any]:
-    values = asdict(config)
-    return {key: values[key] for key in _IDENTITY}
-
-
-def _save(
-    par: Parallel,
-    directory: Path,
-    config: TrainConfig,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    pos: _Position,
-    extra: dict[str, Any],
-) -> None:
-    state = {
-        "model": par.unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "epoch": pos.epoch,
-        "batch": pos.batch,
-        "global_step": pos.global_step,
-        "loss_sum": pos.loss_sum,
-        "loss_count": pos.loss_count,
-        "rng": rng_state(),
-        "config": _identity(config),
-        **extra,
-    }
-    par.save(state, directory / checkpoint_name(pos.epoch, pos.batch))
-    if par.is_main:
-        prune_checkpoints(directory, config.keep_checkpoints)
-
-
-def _restore(
-    path: Path,
-    config: TrainConfig,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: LambdaLR | None,
-    precision: Precision,
-) -> _Position:
-    state = load_checkpoint(path)
-    for key in ("model", "optimizer", "epoch", "batch", "global_step", "config", "rng"):
-        if key not in state:
-            raise CheckpointError(f"checkpoint {path} has no {key!r} entry; it was not written by paratrain train")
-    saved, wanted = state["config"], _identity(config)
-    saved = {**_IDENTITY_BEFORE, **saved}
-    different = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
-    if different:
-        listed = ", ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in different.items())
-        raise CheckpointError(
-            f"checkpoint {path} belongs to a different run ({listed}); resume with the same settings or use "
-            f"another --checkpoint-dir"
-        )
-    check_compatible(model.state_dict(), state["model"])
-    model.load_state_dict(state["model"])
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit this model: {exc}") from exc
-    restore_scheduler(scheduler, state.get("scheduler"), f"checkpoint {path}")
-    precision.load_state_dict(state.get("precision") or {})
-    set_rng_state(state["rng"])
-    return _Position(
-        epoch=int(state["epoch"]),
-        batch=int(state["batch"]),
-        global_step=int(state["global_step"]),
-        loss_sum=float(state.get("loss_sum", 0.0)),
-        loss_count=int(state.get("loss_count", 0)),
-    )
