@@ -1,10 +1,10 @@
 """The progress board: every rank's collective count and heartbeat, kept in the process group's store.
 
-A background thread per rank publishes two numbers under one key: how many collectives the rank has launched,
-and a heartbeat that advances at least once a ``interval``. When a collective fails or times out, any rank can
+A background thread per rank publishes two numbers under one key, once a second: how many collectives the rank
+has launched, and a heartbeat. When a collective fails or times out, any rank can
 read the board and tell apart a rank that never launched the collective (its count is behind) from one that is
 silent (its heartbeat has stopped: stopped, hung in native code, or dead), and name them. The training step only
-sets a number and an event; the store is written by the thread, at most a few times a second.
+sets a number; the store is written by the thread, once a second.
 
     board = Board(store, "ddp0", rank=0, global_ranks=[0, 1, 2])
     board.post(17)                   # launched collective 17
@@ -23,7 +23,6 @@ from typing import Any
 __all__ = ["HEARTBEAT_S", "Board"]
 
 HEARTBEAT_S = 1.0  # the heartbeat's period; a rank silent for a few of these is not running
-_MIN_GAP_S = 0.2  # at most five writes a second: timeouts are seconds long, and the step must not pay for this
 
 
 class Board:
@@ -55,16 +54,14 @@ class Board:
         self._interval = interval
         self._latest = 0
         self._beat = 0
-        self._stopped = False
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"paratrain-{namespace}-board", daemon=True)
         self._thread.start()
 
     def post(self, seq: int) -> None:
-        """This rank launched collective ``seq`` (published by the thread, soon)."""
+        """This rank launched collective ``seq``: published at the next heartbeat (the step never waits, nor wakes
+        the thread: timeouts are seconds long, and a count a second old still names the right ranks)."""
         self._latest = seq
-        self._wake.set()
 
     def close(self) -> None:
         """Stop publishing and join the thread; safe to call twice.
@@ -73,9 +70,7 @@ class Board:
         returns from ``store.set`` (which releases the GIL) while the interpreter finalizes is ended by
         ``pthread_exit`` inside pybind11's GIL guard, and that aborts the process.
         """
-        self._stopped = True
         self._stop.set()
-        self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
@@ -83,27 +78,14 @@ class Board:
         return f"{self._prefix}/{self._global_ranks[group_rank]}"
 
     def _run(self) -> None:
-        last_beat = 0.0
-        written = ""
-        while not self._stopped:
-            self._wake.wait(self._interval)
-            self._wake.clear()
-            if self._stopped:
+        while not self._stop.wait(self._interval):  # one heartbeat an interval; close() cuts the wait short
+            self._beat += 1
+            if self._on_beat is not None:
+                self._on_beat()
+            try:
+                self._store.set(self._key(self._rank), f"{self._latest} {self._beat}")
+            except Exception:  # the store went away (shutdown, or its host died): nothing left to report to
                 return
-            now = time.monotonic()
-            if now - last_beat >= self._interval:
-                self._beat += 1
-                last_beat = now
-                if self._on_beat is not None:
-                    self._on_beat()
-            entry = f"{self._latest} {self._beat}"
-            if entry != written:
-                try:
-                    self._store.set(self._key(self._rank), entry)
-                except Exception:  # the store went away (shutdown, or its host died): nothing left to report to
-                    return
-                written = entry
-            self._stop.wait(_MIN_GAP_S)  # a pause that close() cuts short
 
     def read(self) -> dict[int, tuple[int, int] | None]:
         """Every other rank's (count, heartbeat), by global rank; None where it cannot be read."""
