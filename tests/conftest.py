@@ -96,6 +96,15 @@ def assert_same_training(
     assert any(moved), "training did not change any parameter; the comparison proves nothing"
 
 
+def assert_image_split(data: Any, n: int) -> None:
+    """A dataset split of ``n`` normalised 28x28 images with labels 0..9."""
+    assert data.inputs.shape == (n, 1, 28, 28) and data.inputs.dtype == torch.float32
+    assert data.targets.shape == (n,) and data.targets.dtype == torch.int64
+    assert len(data) == n
+    assert data.inputs.min() >= -1.0 and data.inputs.max() <= 1.0
+    assert data.targets.min() >= 0 and data.targets.max() <= 9
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(1234)

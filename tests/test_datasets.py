@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import assert_image_split
 from paratrain.errors import ConfigError
 from paratrain.training.datasets import (
     DATASET_NAMES,
@@ -18,23 +19,6 @@ from paratrain.training.datasets import (
     default_cache_dir,
     load_dataset,
 )
-
-MNIST_FILES = (
-    "train-images-idx3-ubyte",
-    "train-labels-idx1-ubyte",
-    "t10k-images-idx3-ubyte",
-    "t10k-labels-idx1-ubyte",
-)
-UNREACHABLE = ("http://127.0.0.1:9/",)  # the discard port: nothing listens, the connection is refused at once
-
-
-def assert_image_split(data: TensorData, n: int) -> None:
-    assert data.inputs.shape == (n, 1, 28, 28) and data.inputs.dtype == torch.float32
-    assert data.targets.shape == (n,) and data.targets.dtype == torch.int64
-    assert len(data) == n
-    assert data.inputs.min() >= -1.0 and data.inputs.max() <= 1.0
-    assert data.targets.min() >= 0 and data.targets.max() <= 9
-
 
 # --- names, cache dir, containers -------------------------------------------------------------------------------
 

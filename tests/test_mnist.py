@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_image_split
 from paratrain.errors import DataError
-from paratrain.training.datasets import TensorData, load_dataset
+from paratrain.training.datasets import load_dataset
 from paratrain.training.mnist import load_mnist as _load_mnist
 from processes import run_cli
 
@@ -26,14 +27,6 @@ MNIST_FILES = (
     "t10k-labels-idx1-ubyte",
 )
 UNREACHABLE = ("http://127.0.0.1:9/",)  # the discard port: nothing listens, the connection is refused at once
-
-
-def assert_image_split(data: TensorData, n: int) -> None:
-    assert data.inputs.shape == (n, 1, 28, 28) and data.inputs.dtype == torch.float32
-    assert data.targets.shape == (n,) and data.targets.dtype == torch.int64
-    assert len(data) == n
-    assert data.inputs.min() >= -1.0 and data.inputs.max() <= 1.0
-    assert data.targets.min() >= 0 and data.targets.max() <= 9
 
 
 # --- mnist: IDX files -------------------------------------------------------------------------------------------

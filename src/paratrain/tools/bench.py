@@ -29,7 +29,7 @@ from ..parallel import Parallel
 from .configs import RunConfig, parse_configs, unavailable_reason
 from .report import format_markdown, format_table, write_json, write_text
 from .runner import ConfigRunError, run_config
-from .settings import RunSettings, setting
+from .settings import RunSettings, setting, settings_from
 from .workload import Workload, build_optimizer, endless
 
 __all__ = ["PHASES", "BenchConfig", "BenchReport", "ConfigTiming", "bench"]
@@ -239,11 +239,7 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
     Raises:
         ConfigError: settings no run can use.
     """
-    if config is None:
-        config = BenchConfig(**settings)
-    elif settings:
-        raise ConfigError("pass either a BenchConfig or keyword settings, not both")
-    config.validate_settings()
+    config = settings_from(BenchConfig, config, settings)
     configs = parse_configs(config.configs)
     notes: list[str] = []
     if not any(c.strategy == "single" for c in configs):

@@ -45,7 +45,7 @@ from .plan_model import (
     simulate_step,
 )
 from .report import format_table, write_json
-from .settings import RunSettings, setting
+from .settings import RunSettings, setting, settings_from
 from .workload import Workload
 
 __all__ = ["PlanConfig", "PlanReport", "plan"]
@@ -212,11 +212,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     Raises:
         ConfigError: settings no run can use, or links it can neither measure nor was given.
     """
-    if config is None:
-        config = PlanConfig(**settings)
-    elif settings:
-        raise ConfigError("pass either a PlanConfig or keyword settings, not both")
-    config.validate_settings()
+    config = settings_from(PlanConfig, config, settings)
     gpus = visible_gpus()
     device = gpus[0] if gpus else torch.device("cpu")
     cores = os.cpu_count() or 1

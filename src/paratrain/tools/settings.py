@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import ConfigError
 from ..precision import PRECISIONS
@@ -20,10 +20,27 @@ from ..training.model_spec import MODEL_SPEC_HELP
 from ..training.optimizers import OPTIMIZERS
 from .configs import parse_configs
 
-__all__ = ["LOSS_REDUCTIONS", "RunSettings", "parse_input_shape", "setting"]
+__all__ = ["LOSS_REDUCTIONS", "RunSettings", "parse_input_shape", "setting", "settings_from"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 DEFAULT_RUN_TIMEOUT_S = 600.0
+
+
+S = TypeVar("S", bound="RunSettings")
+
+
+def settings_from(cls: type[S], config: S | None, settings: dict[str, Any]) -> S:
+    """The settings ``verify(config)`` or ``verify(**settings)`` was called with, checked.
+
+    Raises:
+        ConfigError: both a settings object and keyword settings, or settings no run can use.
+    """
+    if config is None:
+        config = cls(**settings)
+    elif settings:
+        raise ConfigError(f"pass either a {cls.__name__} or keyword settings, not both")
+    config.validate_settings()
+    return config
 
 
 def setting(default: Any, help: str, **cli: Any) -> Any:

@@ -34,7 +34,7 @@ from .diagnose import (
 )
 from .report import format_table, write_json
 from .runner import ConfigRunError, run_config
-from .settings import RunSettings, setting
+from .settings import RunSettings, setting, settings_from
 from .workload import Workload, build_optimizer, endless
 
 __all__ = ["ConfigVerdict", "VerifyConfig", "VerifyReport", "default_tolerance", "verify"]
@@ -270,11 +270,7 @@ def verify(config: VerifyConfig | None = None, /, **settings: Any) -> VerifyRepo
     Raises:
         ConfigError: settings no run can use.
     """
-    if config is None:
-        config = VerifyConfig(**settings)
-    elif settings:
-        raise ConfigError("pass either a VerifyConfig or keyword settings, not both")
-    config.validate_settings()
+    config = settings_from(VerifyConfig, config, settings)
     configs = parse_configs(config.configs)
     single = next((c for c in configs if c.strategy == "single"), None) or parse_configs(["single"])[0]
     work = Workload.load(config)
