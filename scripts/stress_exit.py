@@ -34,6 +34,12 @@ def _run(command: list[str], timeout: float) -> tuple[int | str, bool, float]:
     return done.returncode, aborted, time.monotonic() - started
 
 
+def _save(out: Path, procs: int, results: dict[str, dict[str, object]]) -> None:
+    """Written after every case, so a run cut short still leaves the cases it finished."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"procs": procs, "results": results}, indent=2) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=200, help="runs of the plain probe script (ending: destroy)")
@@ -53,7 +59,7 @@ def main() -> int:
     }
     train = [sys.executable, "-m", "paratrain", "train", "--strategy", "ddp", "--nproc-per-node", str(args.procs)]
     cases["paratrain train --strategy ddp"] = ([*train, "--epochs", "1", "--quiet"], args.train_runs)
-    results = {}
+    results: dict[str, dict[str, object]] = {}
     for name, (command, runs) in cases.items():
         codes: dict[str, int] = {}
         aborts, seconds = 0, 0.0
@@ -67,13 +73,11 @@ def main() -> int:
             print()
         failed = runs - codes.get("0", 0)
         results[name] = {"runs": runs, "failed": failed, "aborts": aborts, "exit_codes": codes, "seconds": seconds}
+        _save(Path(args.out), args.procs, results)
     print(f"\n{'case':<34}{'runs':>6}{'failed':>8}{'SIGABRT':>9}")
     for name, r in results.items():
         print(f"{name:<34}{r['runs']:>6}{r['failed']:>8}{r['aborts']:>9}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"procs": args.procs, "results": results}, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    print(f"\nwrote {args.out}")
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
 
 

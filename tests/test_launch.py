@@ -242,6 +242,8 @@ def test_failing_worker_gives_nonzero_exit_and_torchrun_summary(tmp_path: Path) 
     assert "exitcode  : 3" in done.stderr
     assert "rank 1 exits with 3 on purpose" in done.stderr
     assert f"torchrun exited with code {done.returncode}" in done.stderr.splitlines()[-1]
+    # the wrapper runs as __main__ without `import paratrain` having loaded it first (runpy's RuntimeWarning)
+    assert "RuntimeWarning" not in done.stderr, done.stderr
 
 
 def test_max_restarts_recovers_from_a_failed_first_attempt(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

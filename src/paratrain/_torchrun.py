@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-EXIT_RENDEZVOUS_FAILED = 75  # launch() turns it into an error naming the endpoint and the timeout
+from .launch_config import EXIT_RENDEZVOUS_FAILED
 
 
 def _one_grace(seconds: int) -> None:

@@ -40,9 +40,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from ._torchrun import EXIT_RENDEZVOUS_FAILED
 from .errors import ConfigError, DistributedError
-from .launch_config import LaunchConfig, local_world_size, parse_endpoint
+from .launch_config import EXIT_RENDEZVOUS_FAILED, LaunchConfig, local_world_size, parse_endpoint
 from .supervise import supervise
 
 __all__ = ["LaunchConfig", "launch", "local_world_size", "restart_count", "torchrun_args"]

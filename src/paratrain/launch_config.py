@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
-__all__ = ["LaunchConfig", "local_world_size", "parse_endpoint"]
+__all__ = ["EXIT_RENDEZVOUS_FAILED", "LaunchConfig", "local_world_size", "parse_endpoint"]
+
+EXIT_RENDEZVOUS_FAILED = 75  # paratrain._torchrun's exit when the nodes never met; launch() names the endpoint
 
 
 @dataclass(frozen=True)
