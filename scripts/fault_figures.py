@@ -5,10 +5,12 @@
 
 - stall: `paratrain train --strategy ddp --nproc-per-node 2 --timeout T`, rank 1 stopped (SIGSTOP) mid-epoch;
   seconds from the stop to the named error, and to the end of the whole job.
-- restart: the same with --max-restarts 2 and checkpoints every 40 steps, rank 1 killed (SIGKILL) after the
-  checkpoint at step 80; the metrics' restarts, steps_redone, recovery_seconds, and whether the final model is
-  bitwise the uninterrupted run's.
+- restart: the same with --max-restarts 2 and checkpoints every 40 steps, rank 1 killed (SIGKILL) one second
+  after the checkpoint at step 80; the metrics' restarts, steps_redone, recovery_seconds, and whether the final
+  model is bitwise the uninterrupted run's.
 - node-loss: two elastic node agents (--nnodes 1:2), one killed with its process tree; the survivor's recovery.
+- endpoint: node 1 of 2 waiting for a node 0 that never starts (static rendezvous) or for a second node that
+  never joins (c10d), --rdzv-timeout 5; seconds until `paratrain launch` exits naming the endpoint.
 
 The tests in tests/test_faults.py drive the same faults and assert bounds; this script prints the figures.
 Writes JSON (default benchmarks/results/fault_figures.json).
@@ -83,6 +85,7 @@ def restart(directory: Path) -> dict[str, object]:
                 str(directory / "m.json"))  # fmt: skip
     while not (directory / "ckpt" / "epoch-0000-step-000080.pt").exists():
         time.sleep(0.01)
+    time.sleep(1.0)  # mid-interval: the steps since the checkpoint at 80 are lost
     os.kill(_rank(proc.pid, 1), signal.SIGKILL)
     proc.communicate()
     resumed = json.loads((directory / "m.json").read_text())
@@ -114,13 +117,28 @@ def node_loss(directory: Path) -> dict[str, object]:
     return {k: metrics[k] for k in ("world_size", "restarts", "steps_redone", "recovery_seconds")}
 
 
+def endpoint(meet: str, rdzv_timeout: int = 5) -> dict[str, object]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    where = ["--node-rank", "1", "--master-addr", "127.0.0.2", "--master-port", str(port)] if meet == "static" else [
+        "--rdzv-endpoint", f"127.0.0.2:{port}"]  # fmt: skip
+    command = [sys.executable, "-m", "paratrain", "launch", "--nnodes", "2", "--nproc-per-node", "1", *where]
+    command += ["--rdzv-timeout", str(rdzv_timeout), str(ROOT / "scripts" / "exit_probe.py")]
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, env=ENV)
+    took = time.monotonic() - started
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    return {"rdzv_timeout_s": rdzv_timeout, "exited_after_s": took, "exit_code": done.returncode, "message": last}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", choices=["stall", "restart", "node-loss"])
+    parser.add_argument("--only", nargs="+", choices=["stall", "restart", "node-loss", "endpoint"])
     parser.add_argument("--timeout", type=int, default=10, help="--timeout of the stall run (default 10)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fault_figures.json"))
     args = parser.parse_args()
-    chosen = args.only or ["stall", "restart", "node-loss"]
+    chosen = args.only or ["stall", "restart", "node-loss", "endpoint"]
     figures: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if "stall" in chosen:
@@ -131,6 +149,9 @@ def main() -> int:
         if "node-loss" in chosen:
             (Path(tmp) / "node").mkdir()
             figures["node-loss"] = node_loss(Path(tmp) / "node")
+        if "endpoint" in chosen:
+            figures["endpoint, static"] = endpoint("static")
+            figures["endpoint, c10d"] = endpoint("c10d")
     for name, values in figures.items():
         print(f"{name:<10} {json.dumps(values)}")
     out = Path(args.out)

@@ -9,7 +9,9 @@ per-device batch each N implies (the global ``--batch-size`` split N ways), when
 during backward, and the copy of gradients into buckets and back; the buckets our DDP would build; the
 all-reduce cost (latency + bytes / bandwidth) timed with real processes on this machine, or given for links it
 cannot measure. On the CPU, N processes share the machine's cores, so compute is measured at the thread count
-each process would get. :mod:`paratrain.tools.plan_model` turns those into a step time per N.
+each process would get, and again beside N - 1 real processes running the same steps (they share memory
+bandwidth and caches too: :mod:`paratrain.tools.busy`). :mod:`paratrain.tools.plan_model` turns those into a
+step time per N.
 ``--validate`` runs ``bench`` for what this machine can run and prints the prediction error of each.
 """
 
@@ -30,6 +32,7 @@ from .configs import RunConfig, parse_configs, unavailable_reason
 from .plan_measure import (
     DDP_BUCKET_CAP_BYTES,
     bursts_for,
+    contention,
     measure_link,
     measure_profiles,
     read_link_file,
@@ -244,6 +247,8 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
             threads, slowdown = threads_per_process(min(n, per_node), cores)
         shapes[n] = (batch, threads, slowdown)
     profiles = measure_profiles(work, device, [(b, t) for b, t, _ in shapes.values()], config.steps, config.warmup)
+    # on the CPU, beside the other processes of the same world size: they share memory bandwidth and caches too
+    shared = {} if gpus else contention(work, profiles, shapes, per_node, cores, config.steps, config.warmup)
 
     # the all-reduce inside this machine, and what the ranks' meeting costs per step, with real processes
     local_links: dict[int, Link] = {}
@@ -271,7 +276,8 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     inputs_rows = []
     for n, (batch, threads, slowdown) in shapes.items():
         per_device[n] = batch
-        profile = profiles[batch, threads].scaled(slowdown) if slowdown != 1.0 else profiles[batch, threads]
+        factor = slowdown * shared.get(n, 1.0)
+        profile = profiles[batch, threads].scaled(factor) if factor != 1.0 else profiles[batch, threads]
         measured_n = max((m for m in local_links if m <= n), default=None)  # beyond the probe: its largest size
         if n > per_node:
             link, n_sync = remote_link, 0.0
@@ -286,6 +292,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
                 "per_device_batch": batch,
                 "threads_per_process": threads,
                 "cpu_slowdown": slowdown,
+                "cpu_contention": shared.get(n, 1.0),
                 "data_seconds": profile.data,
                 "forward_seconds": profile.forward,
                 "backward_seconds": profile.backward,
@@ -350,9 +357,11 @@ def _assumptions(
     )
     if not gpus:
         thread_text = ", ".join(f"N={r['world_size']}: {r['threads_per_process']}" for r in inputs_rows)
+        contention_text = ", ".join(f"N={r['world_size']}: x{r['cpu_contention']:.2f}" for r in inputs_rows)
         assumptions.append(
             f"CPU: the N processes share this machine's {cores} cores; compute measured at the threads each process "
-            f"gets ({thread_text}), slowed by N x threads / cores beyond one process per core"
+            f"gets ({thread_text}), slowed by N x threads / cores beyond one process per core, and by what running "
+            f"beside its peers costs, measured with real processes running the model ({contention_text})"
         )
     for n, link in local_links.items():
         assumptions.append(

@@ -1,6 +1,7 @@
 """What ``paratrain plan`` measures: compute on one device, all-reduces and stragglers with real processes.
 
     profiles = measure_profiles(work, device, [(64, 2), (32, 1)], steps=10, warmup=3)   # (batch, threads) each
+    shared = measure_beside(work, (32, 1), others=1, steps=10, warmup=3)   # the same, one other process beside
     link = measure_link(2, sizes, bursts, timeout=600)          # python -m paratrain.tools.allreduce_probe
 
 Measurements take turns (one step of each shape in rotation) so that a shared machine's changing load does not
@@ -12,10 +13,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +33,14 @@ from .workload import Workload, build_optimizer
 
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
+    "ProfileRun",
     "bursts_for",
+    "contention",
+    "measure_beside",
     "measure_link",
     "measure_profiles",
     "read_link_file",
+    "running_beside",
     "threads_per_process",
 ]
 
@@ -69,7 +77,7 @@ class _Clock:
         return float(end - start)
 
 
-class _ProfileRun:
+class ProfileRun:
     """Plain training steps (no wrapper) at one per-device batch and thread count, timed phase by phase."""
 
     def __init__(self, work: Workload, device: torch.device, batch: int, threads: int) -> None:
@@ -138,12 +146,93 @@ def measure_profiles(
     The shapes take turns, one step each, the order rotating, so that a shared machine's changing load hits them
     alike (measured one after another, a quiet minute would favour one world size over another).
     """
-    runs = [_ProfileRun(work, device, batch, threads) for batch, threads in dict.fromkeys(shapes)]
+    runs = [ProfileRun(work, device, batch, threads) for batch, threads in dict.fromkeys(shapes)]
     for i in range(warmup + steps):
         shift = i % len(runs)
         for run in runs[shift:] + runs[:shift]:
             run.step(record=i >= warmup)
     return {(run.batch, run.threads): run.profile(steps) for run in runs}
+
+
+def measure_beside(work: Workload, shape: tuple[int, int], others: int, steps: int, warmup: int) -> ComputeProfile:
+    """The CPU profile of ``shape`` (per-device batch, threads) while ``others`` processes run the same steps.
+
+    What a ddp process computes on a machine it shares with its peers: their cores, memory bandwidth and caches
+    (see :mod:`paratrain.tools.busy`). Beyond one process per core this includes the time-sharing too.
+    """
+    batch, threads = shape
+    run = ProfileRun(work, torch.device("cpu"), batch, threads)
+    with running_beside(work, batch, threads, others):
+        for i in range(warmup + steps):
+            run.step(record=i >= warmup)
+    return run.profile(steps)
+
+
+def contention(
+    work: Workload,
+    profiles: dict[tuple[int, int], ComputeProfile],
+    shapes: dict[int, tuple[int, int, float]],
+    per_node: int,
+    cores: int,
+    steps: int,
+    warmup: int,
+) -> dict[int, float]:
+    """World size -> how much slower a process computes beside its peers on this CPU than alone (at least 1).
+
+    ``shapes`` maps each world size to (per-device batch, threads, time-sharing slowdown). The peers that fit on
+    the cores beside a process (``min(N, per_node, cores // threads) - 1``) are run for real; the factor for k
+    peers is measured once, at the shape of world size k + 1, and used for every N with k peers (time-sharing
+    beyond one process per core is the separate slowdown of ``shapes``).
+    """
+    by_peers: dict[int, float] = {0: 1.0}
+    factors = {}
+    for n, (_, threads, _) in shapes.items():
+        peers = max(1, min(n, per_node, cores // threads)) - 1
+        if peers not in by_peers:
+            batch, peer_threads, _ = shapes[peers + 1]
+            alone = profiles[batch, peer_threads]
+            beside = measure_beside(work, (batch, peer_threads), peers, steps, warmup)
+            by_peers[peers] = max(1.0, _compute(beside) / _compute(alone))
+        factors[n] = by_peers[peers]
+    return factors
+
+
+def _compute(profile: ComputeProfile) -> float:
+    return profile.forward + profile.backward + profile.optimizer
+
+
+@contextmanager
+def running_beside(work: Workload, batch: int, threads: int, others: int) -> Iterator[None]:
+    with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
+        job = Path(tmp) / "busy.json"
+        job.write_text(json.dumps({"settings": asdict(work.settings), "batch": batch, "threads": threads}))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        command = [sys.executable, "-m", "paratrain.tools.busy", str(job)]
+        logs = [Path(tmp) / f"busy{i}.log" for i in range(others)]
+        procs = []
+        try:
+            for log in logs:
+                with log.open("w") as err:
+                    procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, env=env))
+            for proc, log in zip(procs, logs, strict=True):
+                assert proc.stdout is not None
+                if proc.stdout.readline().strip() != "ready":
+                    proc.wait()
+                    tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
+                    raise ConfigError(
+                        f"a process running the model beside plan's measurement (as a peer rank would) exited "
+                        f"with code {proc.returncode}: {tail[0]}"
+                    )
+            yield
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate()
 
 
 def _bucket_copy_seconds(params: list[torch.nn.Parameter], device: torch.device, repeats: int) -> float:
