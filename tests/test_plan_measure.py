@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from paratrain.errors import ConfigError
-from paratrain.tools.plan_measure import contention, measure_beside, measure_profiles, running_beside
+from paratrain.tools.plan_measure import contention, measure_contention, running_beside
 from paratrain.tools.settings import RunSettings
 from paratrain.tools.workload import Workload
 from processes import descendants
@@ -39,15 +39,32 @@ def test_peers_run_the_model_during_the_measurement_and_are_gone_after():
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
+def _state(pid: int, wanted: str) -> str:
+    """The process's state letter, polled for up to 5 s until it is one of ``wanted`` (signals are asynchronous)."""
+    deadline = time.monotonic() + 5
+    while True:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in wanted or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
+def test_peers_are_stopped_and_continued_between_the_measured_steps():
+    with running_beside(Workload.load(TINY), batch=6, threads=1, others=1) as peers:
+        (pid,) = _busy_children()
+        peers.run(False)
+        assert _state(pid, "T") == "T"  # stopped: the next step is measured alone
+        peers.run(True)
+        assert _state(pid, "RS") in "RS"
+
+
 def test_contention_is_measured_once_per_number_of_peers():
     work = Workload.load(TINY)
     shapes = {1: (12, 1, 1.0), 2: (6, 1, 1.0), 3: (4, 1, 1.5)}
-    profiles = measure_profiles(work, torch.device("cpu"), [(b, t) for b, t, _ in shapes.values()], steps=2, warmup=1)
-    factors = contention(work, profiles, shapes, per_node=3, cores=2, steps=2, warmup=1)
+    factors = contention(work, shapes, per_node=3, cores=2, steps=2, warmup=1)
     assert factors[1] == 1.0  # alone
     assert factors[2] >= 1.0 and factors[3] == factors[2]  # 2 cores: one peer beside each process, then time-sharing
-    profile = measure_beside(work, (6, 1), others=1, steps=2, warmup=1)
-    assert profile.batch == 6 and profile.forward > 0 and profile.backward > 0
+    assert measure_contention(work, (6, 1), others=1, steps=2, warmup=1) >= 1.0
 
 
 def test_a_peer_that_cannot_start_is_a_clear_error(monkeypatch):

@@ -248,7 +248,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         shapes[n] = (batch, threads, slowdown)
     profiles = measure_profiles(work, device, [(b, t) for b, t, _ in shapes.values()], config.steps, config.warmup)
     # on the CPU, beside the other processes of the same world size: they share memory bandwidth and caches too
-    shared = {} if gpus else contention(work, profiles, shapes, per_node, cores, config.steps, config.warmup)
+    shared = {} if gpus else contention(work, shapes, per_node, cores, config.steps, config.warmup)
 
     # the all-reduce inside this machine, and what the ranks' meeting costs per step, with real processes
     local_links: dict[int, Link] = {}

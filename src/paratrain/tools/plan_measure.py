@@ -1,7 +1,7 @@
 """What ``paratrain plan`` measures: compute on one device, all-reduces and stragglers with real processes.
 
     profiles = measure_profiles(work, device, [(64, 2), (32, 1)], steps=10, warmup=3)   # (batch, threads) each
-    shared = measure_beside(work, (32, 1), others=1, steps=10, warmup=3)   # the same, one other process beside
+    slower = measure_contention(work, (32, 1), others=1, steps=10, warmup=3)   # x1.2: one peer beside it
     link = measure_link(2, sizes, bursts, timeout=600)          # python -m paratrain.tools.allreduce_probe
 
 Measurements take turns (one step of each shape in rotation) so that a shared machine's changing load does not
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,10 +34,11 @@ from .workload import Workload, build_optimizer
 
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
+    "Peers",
     "ProfileRun",
     "bursts_for",
     "contention",
-    "measure_beside",
+    "measure_contention",
     "measure_link",
     "measure_profiles",
     "read_link_file",
@@ -154,30 +156,32 @@ def measure_profiles(
     return {(run.batch, run.threads): run.profile(steps) for run in runs}
 
 
-def measure_beside(work: Workload, shape: tuple[int, int], others: int, steps: int, warmup: int) -> ComputeProfile:
-    """The CPU profile of ``shape`` (per-device batch, threads) while ``others`` processes run the same steps.
+def measure_contention(work: Workload, shape: tuple[int, int], others: int, steps: int, warmup: int) -> float:
+    """How much slower a CPU training step of ``shape`` (per-device batch, threads) is beside ``others`` peers.
 
-    What a ddp process computes on a machine it shares with its peers: their cores, memory bandwidth and caches
-    (see :mod:`paratrain.tools.busy`). Beyond one process per core this includes the time-sharing too.
+    The peers run the same steps in real processes (:mod:`paratrain.tools.busy`): what a ddp process shares with
+    the others of its machine, cores, memory bandwidth and caches. The steps measured here alternate between
+    peers stopped (SIGSTOP) and running, so that load changing meanwhile hits both alike; the result is the
+    ratio of the medians, at least 1.
     """
     batch, threads = shape
     run = ProfileRun(work, torch.device("cpu"), batch, threads)
-    with running_beside(work, batch, threads, others):
-        for i in range(warmup + steps):
-            run.step(record=i >= warmup)
-    return run.profile(steps)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with running_beside(work, batch, threads, others) as peers:
+        for i in range(2 * (warmup + steps)):
+            busy = i % 2 == 1
+            peers.run(busy)
+            start = time.perf_counter()
+            run.step(record=False)
+            if i >= 2 * warmup:
+                times[busy].append(time.perf_counter() - start)
+    return max(1.0, statistics.median(times[True]) / statistics.median(times[False]))
 
 
 def contention(
-    work: Workload,
-    profiles: dict[tuple[int, int], ComputeProfile],
-    shapes: dict[int, tuple[int, int, float]],
-    per_node: int,
-    cores: int,
-    steps: int,
-    warmup: int,
+    work: Workload, shapes: dict[int, tuple[int, int, float]], per_node: int, cores: int, steps: int, warmup: int
 ) -> dict[int, float]:
-    """World size -> how much slower a process computes beside its peers on this CPU than alone (at least 1).
+    """World size -> how much slower a process computes beside its peers on this CPU than alone.
 
     ``shapes`` maps each world size to (per-device batch, threads, time-sharing slowdown). The peers that fit on
     the cores beside a process (``min(N, per_node, cores // threads) - 1``) are run for real; the factor for k
@@ -190,26 +194,35 @@ def contention(
         peers = max(1, min(n, per_node, cores // threads)) - 1
         if peers not in by_peers:
             batch, peer_threads, _ = shapes[peers + 1]
-            alone = profiles[batch, peer_threads]
-            beside = measure_beside(work, (batch, peer_threads), peers, steps, warmup)
-            by_peers[peers] = max(1.0, _compute(beside) / _compute(alone))
+            by_peers[peers] = measure_contention(work, (batch, peer_threads), peers, steps, warmup)
         factors[n] = by_peers[peers]
     return factors
 
 
-def _compute(profile: ComputeProfile) -> float:
-    return profile.forward + profile.backward + profile.optimizer
+class Peers:
+    """Processes running the model beside a measurement; :meth:`run` stops (SIGSTOP) or continues them."""
+
+    def __init__(self, procs: list[subprocess.Popen[str]]) -> None:
+        self.procs = procs
+        self.running = True
+
+    def run(self, running: bool) -> None:
+        if running != self.running:
+            for proc in self.procs:
+                proc.send_signal(signal.SIGCONT if running else signal.SIGSTOP)
+            self.running = running
 
 
 @contextmanager
-def running_beside(work: Workload, batch: int, threads: int, others: int) -> Iterator[None]:
+def running_beside(work: Workload, batch: int, threads: int, others: int) -> Iterator[Peers]:
+    """``others`` processes running the training steps of (batch, threads) until the block ends."""
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
         job = Path(tmp) / "busy.json"
         job.write_text(json.dumps({"settings": asdict(work.settings), "batch": batch, "threads": threads}))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         command = [sys.executable, "-m", "paratrain.tools.busy", str(job)]
         logs = [Path(tmp) / f"busy{i}.log" for i in range(others)]
-        procs = []
+        procs: list[subprocess.Popen[str]] = []
         try:
             for log in logs:
                 with log.open("w") as err:
@@ -223,16 +236,12 @@ def running_beside(work: Workload, batch: int, threads: int, others: int) -> Ite
                         f"a process running the model beside plan's measurement (as a peer rank would) exited "
                         f"with code {proc.returncode}: {tail[0]}"
                     )
-            yield
+            yield Peers(procs)
         finally:
             for proc in procs:
-                proc.terminate()
+                proc.kill()  # SIGKILL also ends a stopped process
             for proc in procs:
-                try:
-                    proc.communicate(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.communicate()
+                proc.communicate()
 
 
 def _bucket_copy_seconds(params: list[torch.nn.Parameter], device: torch.device, repeats: int) -> float:
