@@ -5,8 +5,8 @@
 
 - stall: `paratrain train --strategy ddp --nproc-per-node 2 --timeout T`, rank 1 stopped (SIGSTOP) mid-epoch;
   seconds from the stop to the named error, and to the end of the whole job.
-- restart: the same with --max-restarts 2 and checkpoints every 40 steps, rank 1 killed (SIGKILL) one second
-  after the checkpoint at step 80; the metrics' restarts, steps_redone, recovery_seconds, and whether the final
+- restart: the same with --max-restarts 2 and checkpoints every 40 steps, rank 1 killed (SIGKILL) at step 100
+  (20 steps after the checkpoint at 80); the metrics' restarts, steps_redone, recovery_seconds, and whether the final
   model is bitwise the uninterrupted run's.
 - node-loss: two elastic node agents (--nnodes 1:2), one killed with its process tree; the survivor's recovery.
 - endpoint: node 1 of 2 waiting for a node 0 that never starts (static rendezvous) or for a second node that
@@ -80,16 +80,18 @@ def stall(timeout: int) -> dict[str, float | int | None]:
 
 
 def restart(directory: Path) -> dict[str, object]:
-    run = [*COMMON, "--nproc-per-node", "2", "--max-steps", "240", "--checkpoint-every", "40", "--quiet"]
-    proc = _cli(*run, "--checkpoint-dir", str(directory / "ckpt"), "--max-restarts", "2", "--metrics-out",
-                str(directory / "m.json"))  # fmt: skip
-    while not (directory / "ckpt" / "epoch-0000-step-000080.pt").exists():
-        time.sleep(0.01)
-    time.sleep(1.0)  # mid-interval: the steps since the checkpoint at 80 are lost
-    os.kill(_rank(proc.pid, 1), signal.SIGKILL)
-    proc.communicate()
+    run = [*COMMON, "--nproc-per-node", "2", "--max-steps", "240", "--checkpoint-every", "40"]
+    proc = _cli(*run, "--log-every", "10", "--checkpoint-dir", str(directory / "ckpt"), "--max-restarts", "2",
+                "--metrics-out", str(directory / "m.json"))  # fmt: skip
+    assert proc.stdout is not None
+    killed = False
+    for line in proc.stdout:  # mid-interval: the steps since the checkpoint at 80 are lost
+        if not killed and "Step 100," in line:
+            os.kill(_rank(proc.pid, 1), signal.SIGKILL)
+            killed = True
+    proc.wait()
     resumed = json.loads((directory / "m.json").read_text())
-    whole = _cli(*run, "--metrics-out", str(directory / "whole.json"))
+    whole = _cli(*run, "--quiet", "--metrics-out", str(directory / "whole.json"))
     whole.communicate()
     same = resumed["model_fingerprint"] == json.loads((directory / "whole.json").read_text())["model_fingerprint"]
     keys = ("restarts", "steps_redone", "recovery_seconds")

@@ -166,7 +166,8 @@ class _Run:
         loop_start = time.perf_counter()
         try:
             for epoch in range(self.pos.epoch, config.epochs):
-                if not self._epoch(epoch):
+                # a restart after the last step (a worker killed while the run was ending) trains no further
+                if self._reached_max_steps() or not self._epoch(epoch):
                     break
             loop_seconds = max(time.perf_counter() - loop_start, 1e-9)
             self.recovery.finish(self.pos.global_step)
@@ -214,8 +215,7 @@ class _Run:
                         skipped_steps=par.precision.skipped_steps,
                         step_seconds=self.timer.elapsed,
                     )
-            # counted from where this invocation started, so a restarted attempt stops where the first would have
-            reached = config.max_steps is not None and pos.global_step - self.run_started_at >= config.max_steps
+            reached = self._reached_max_steps()
             if i + 1 == len(loader):
                 break  # the end-of-epoch checkpoint below covers this point
             periodic = bool(config.checkpoint_every) and pos.global_step % config.checkpoint_every == 0
@@ -251,6 +251,11 @@ class _Run:
             )
         self._save()
         return not reached
+
+    def _reached_max_steps(self) -> bool:
+        # counted from where this invocation started, so a restarted attempt stops where the first would have
+        limit = self.config.max_steps
+        return limit is not None and self.pos.global_step - self.run_started_at >= limit
 
     def _save(self) -> None:
         if self.checkpoints is not None:

@@ -3,8 +3,10 @@
 When a worker dies and the launcher restarts the workers (``--max-restarts``), the restarted workers resume from
 the latest checkpoint, so the steps between that checkpoint and the failure are trained again. To report that
 honestly, the main process keeps ``progress.json`` in the checkpoint directory: the last step it finished and
-when (written at most once a second, atomically, a few dozen bytes), plus every recovery so far. A restarted
-run reads it and records, once its first step after resuming is done:
+when, plus every recovery so far. It is written after every step (a few hundred bytes overwritten in place
+with one ``pwrite``, about 5 us; created atomically first), so a worker killed at any moment leaves the exact
+step. A restarted run reads it and records, once its first step after resuming is done (or at its end, when
+the failure came after the last step):
 
 - ``steps_redone``: the steps between the checkpoint it resumed from and the last step finished before the
   failure (work lost to the failure);
@@ -15,12 +17,13 @@ run reads it and records, once its first step after resuming is done:
     log = ProgressLog(Path("runs/a"), enabled=par.is_main, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
     log.interrupted()                              # this launch's record, unfinished: a re-formed group
     log.start(150, continuing=True)                # a restarted attempt, resumed at global step 150
-    log.step(151)                                  # after every optimizer step: cheap, writes at most 1/s
+    log.step(151)                                  # after every optimizer step: one small pwrite
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +34,6 @@ from ..files import atomic_writer
 __all__ = ["PROGRESS_FILE", "ProgressLog", "Recovery"]
 
 PROGRESS_FILE = "progress.json"
-_WRITE_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ class ProgressLog:
         self.run_started_at = 0  # the global step this run started at, across restarts
         self._last_step, self._last_time = 0, 0.0
         self._pending: tuple[int, int] | None = None  # (restart, resumed-at step) until the first step is done
-        self._written = 0.0
+        self._fd: int | None = None  # the record, open for writing in place once it exists
+        self._size = 0  # bytes written last: a shorter record is padded with spaces to cover it
 
     def _read(self) -> dict[str, Any]:
         if self.path is None:
@@ -86,27 +89,35 @@ class ProgressLog:
         started = previous.get("run_started_at")
         self.run_started_at = started if continuing and isinstance(started, int) else at_step
         self._pending = (len(self.recoveries) + 1, at_step) if continuing and self.path is not None else None
-        self._written = 0.0
 
     def step(self, global_step: int) -> None:
         """An optimizer step finished: complete a pending recovery; write the progress, at most once a second."""
         now = time.time()
         if self._pending is not None:
-            restart, from_step = self._pending
-            redone = max(0, self._last_step - from_step) if self._last_time else 0
-            took = now - self._last_time if self._last_time else 0.0
-            self.recoveries.append(Recovery(restart, from_step, redone, round(took, 3)))
-            self._pending = None
-            self._write(global_step, now)
-        elif now - self._written >= _WRITE_EVERY_S:
-            self._write(global_step, now)
+            self._recovered(now)
+        self._write(global_step, now)
 
     def finish(self, global_step: int) -> None:
-        """The run ends: record where, and that it finished (a later launch with the same id starts anew)."""
-        self._write(global_step, time.time(), finished=True)
+        """The run ends: record where, and that it finished (a later launch with the same id starts anew).
+
+        A restart that had no step left to do (the worker died after the last one) recovers here."""
+        now = time.time()
+        if self._pending is not None:
+            self._recovered(now)
+        self._write(global_step, now, finished=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _recovered(self, now: float) -> None:
+        assert self._pending is not None
+        restart, from_step = self._pending
+        redone = max(0, self._last_step - from_step) if self._last_time else 0
+        took = now - self._last_time if self._last_time else 0.0
+        self.recoveries.append(Recovery(restart, from_step, redone, round(took, 3)))
+        self._pending = None
 
     def _write(self, global_step: int, now: float, *, finished: bool = False) -> None:
-        self._written = now
         if self.path is None:
             return
         payload = {
@@ -117,8 +128,15 @@ class ProgressLog:
             "run_started_at": self.run_started_at,
             "recoveries": [asdict(r) for r in self.recoveries],
         }
+        data = json.dumps(payload).encode()
+        data = data.ljust(max(len(data), self._size))  # trailing spaces: still the same JSON
         try:
-            with atomic_writer(self.path, "w") as file:
-                file.write(json.dumps(payload))
+            if self._fd is None:
+                with atomic_writer(self.path, "wb") as file:  # a new file whole, never half of one
+                    file.write(data)
+                self._fd = os.open(self.path, os.O_WRONLY)
+            else:
+                os.pwrite(self._fd, data, 0)  # one write of a few hundred bytes: a kill cannot split it
+            self._size = len(data)
         except OSError:
             pass  # progress is informational: a failed write must not stop training
