@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +98,19 @@ def test_cuda_step_timer_reads_events_only_when_flushed():
     assert timer.clock == "cuda events" and timer.totals["forward"] == 0.0  # nothing read yet
     timer.flush()
     assert timer.totals["forward"] > 0 and timer.steps == 3
+
+
+def test_cuda_gradient_all_reduces_do_not_block_the_host_and_the_watchdog_ends_an_overdue_one(tmp_path):
+    """nccl: the host goes on while an all-reduce waits behind GPU work; one overdue past timeout=2 s ends the
+    process from the watchdog (exit 1, named on stderr), not when the GPU work ends 20 s later."""
+    script = Path(__file__).parent / "scripts" / "cuda_watchdog.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=120
+    )
+    ended = time.time()
+    stages = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert stages and "host_seconds" in stages[0], done.stdout + done.stderr
+    assert stages[0]["host_seconds"] < 0.5 * stages[0]["gpu_seconds"], stages[0]  # the host did not wait
+    assert done.returncode == 1 and not any("survived" in s for s in stages), done.stdout + done.stderr
+    assert "gradient all-reduce of bucket 0" in done.stderr and "did not complete within 2s" in done.stderr
+    assert ended - stages[1]["stalled_at"] < 10, "the watchdog ended the process only when the GPU work did"

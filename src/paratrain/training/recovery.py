@@ -91,7 +91,7 @@ class ProgressLog:
         self._pending = (len(self.recoveries) + 1, at_step) if continuing and self.path is not None else None
 
     def step(self, global_step: int) -> None:
-        """An optimizer step finished: complete a pending recovery; write the progress, at most once a second."""
+        """An optimizer step finished: complete a pending recovery; write the progress (one pwrite)."""
         now = time.time()
         if self._pending is not None:
             self._recovered(now)
