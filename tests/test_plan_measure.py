@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.tools.plan_measure import contention, measure_contention, running_beside
+from paratrain.tools import plan_measure
+from paratrain.tools.plan_measure import measure_contention, running_beside
 from paratrain.tools.settings import RunSettings
 from paratrain.tools.workload import Workload
 from processes import descendants
@@ -58,13 +60,21 @@ def test_peers_are_stopped_and_continued_between_the_measured_steps():
         assert _state(pid, "RS") in "RS"
 
 
-def test_contention_is_measured_once_per_number_of_peers():
-    work = Workload.load(TINY)
+def test_contention_is_measured_once_per_number_of_peers(monkeypatch):
+    """2 cores, one thread each: world sizes 2 and 3 both have one peer beside each process (3 also time-shares),
+    so one measurement, at world size 2's shape, with real peers, serves both."""
+    calls = []
+
+    def counted(work, shape, others, steps, warmup):
+        calls.append((shape, others))
+        return measure_contention(work, shape, others, steps, warmup)
+
+    monkeypatch.setattr(plan_measure, "measure_contention", counted)
     shapes = {1: (12, 1, 1.0), 2: (6, 1, 1.0), 3: (4, 1, 1.5)}
-    factors = contention(work, shapes, per_node=3, cores=2, steps=2, warmup=1)
-    assert factors[1] == 1.0  # alone
-    assert factors[2] >= 1.0 and factors[3] == factors[2]  # 2 cores: one peer beside each process, then time-sharing
-    assert measure_contention(work, (6, 1), others=1, steps=2, warmup=1) >= 1.0
+    factors = plan_measure.contention(Workload.load(TINY), shapes, per_node=3, cores=2, steps=2, warmup=1)
+    assert calls == [((6, 1), 1)]
+    assert factors[1] == 1.0 and factors[3] == factors[2]
+    assert math.isfinite(factors[2])
 
 
 def test_a_peer_that_cannot_start_is_a_clear_error(monkeypatch):

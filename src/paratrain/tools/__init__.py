@@ -8,7 +8,8 @@
 
 configs.py (the ``--configs`` words), settings.py (what all three share), workload.py (model, data,
 optimizer), runner.py and worker.py (a configuration here, or in launched processes), verify.py and diagnose.py,
-bench.py and plot.py, plan.py, plan_measure.py (what it measures), plan_model.py (the prediction: pure),
+bench.py and plot.py, plan.py, plan_measure.py (what it measures; busy.py its peer processes),
+plan_model.py (the prediction: pure), plan_validate.py (--validate against bench),
 allreduce_probe.py, report.py. Nothing in the engine imports this package; ``paratrain.verify`` etc. load it on
 first use.
 """

@@ -1,8 +1,8 @@
 """The other ranks of a world size, for ``paratrain plan`` on the CPU: ``python -m paratrain.tools.busy JOB.json``.
 
 N ddp processes on one machine share more than its cores: memory bandwidth and caches too, so a process's step
-is slower beside N - 1 others than alone, even with a core each (a 10M-parameter MLP's step: +20-25% beside one
-other on this project's 2-core VM). plan therefore measures each world size's compute while N - 1 of these
+is slower beside N - 1 others than alone, even with a core each (plan prints the factor it measured with its
+assumptions). plan therefore measures each world size's compute while N - 1 of these
 processes run the same training steps (the model, per-device batch and thread count of that world size). Each
 prints ``ready`` after its warm-up steps and then steps until it is terminated. JOB.json holds ``settings`` (the
 plan's settings as a dict), ``batch`` and ``threads``.

@@ -27,8 +27,7 @@ import torch
 from ..buckets import FIRST_BUCKET_BYTES, assign_buckets
 from ..devices import visible_gpus
 from ..errors import ConfigError
-from .bench import BenchConfig, bench
-from .configs import RunConfig, parse_configs, unavailable_reason
+from .configs import parse_configs
 from .plan_measure import (
     DDP_BUCKET_CAP_BYTES,
     bursts_for,
@@ -47,13 +46,12 @@ from .plan_model import (
     scaling_rows,
     simulate_step,
 )
+from .plan_validate import VALIDATE_UP_TO, validate_plan
 from .report import format_table, write_json
 from .settings import RunSettings, setting, settings_from
 from .workload import Workload
 
 __all__ = ["PlanConfig", "PlanReport", "plan"]
-
-_VALIDATE_UP_TO = 3  # --validate benches ddp up to this many processes by default
 
 
 @dataclass
@@ -263,7 +261,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
                 )
             local_links = {n: remote_link for n in range(2, local_max + 1)}
         else:
-            probe = min(local_max, len(gpus) if gpus else _VALIDATE_UP_TO)
+            probe = min(local_max, len(gpus) if gpus else VALIDATE_UP_TO)
             bursts = {} if gpus else bursts_for(profiles, shapes, probe)
             measured = measure_link(probe, _probe_sizes(buckets), bursts, config.timeout)
             link_samples = measured["samples"]
@@ -324,7 +322,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     }
     report = PlanReport(asdict(config), rows, recommended, assumptions, inputs)
     if config.validate:
-        report.validation = _validate(config, report)
+        report.validation = validate_plan(config, report)
     if config.report_out:
         write_json(report.as_dict(), config.report_out)
     return report
@@ -399,46 +397,3 @@ def _remote_link(config: PlanConfig) -> Link | None:
     if config.link_bandwidth is not None and config.link_latency is not None:
         return Link(config.link_latency, config.link_bandwidth * 1e9)
     return None
-
-
-def _validation_configs(config: PlanConfig) -> list[RunConfig]:
-    if config.configs is not None:
-        chosen = parse_configs(config.configs)
-    else:
-        most = min(config.max_world_size, _VALIDATE_UP_TO)
-        chosen = parse_configs(["single", *(f"ddp:{n}" for n in range(2, most + 1))])
-    return [c for c in chosen if c.strategy in ("single", "ddp")]
-
-
-def _validate(config: PlanConfig, report: PlanReport) -> list[dict[str, Any]]:
-    configs = _validation_configs(config)
-    shared = {f: getattr(config, f) for f in RunSettings.__dataclass_fields__ if f not in ("configs", "report_out")}
-    measured = bench(
-        BenchConfig(
-            **shared,
-            configs=[c.word for c in configs],
-            warmup=config.warmup,
-            steps=config.steps,
-            repeats=config.repeats,
-        )
-    )
-    results = []
-    for c in configs:
-        timing = measured.timing(c.word)
-        entry: dict[str, Any] = {"config": c.word, "status": timing.status, "world_size": c.device_count}
-        if timing.status != "OK" or unavailable_reason(c) is not None:
-            entry.update(reason=timing.reason, within=None)
-        elif c.device_count > config.max_world_size:
-            entry.update(status="NOT PREDICTED", within=None)
-        else:
-            predicted = report.row(c.device_count).step_seconds
-            error = predicted / timing.step_seconds - 1
-            entry.update(
-                predicted_seconds=predicted,
-                measured_seconds=timing.step_seconds,
-                measured_repeats=timing.repeat_step_seconds,
-                error=error,
-                within=abs(error) <= config.max_error,
-            )
-        results.append(entry)
-    return results

@@ -1,7 +1,7 @@
 """What ``paratrain plan`` measures: compute on one device, all-reduces and stragglers with real processes.
 
     profiles = measure_profiles(work, device, [(64, 2), (32, 1)], steps=10, warmup=3)   # (batch, threads) each
-    slower = measure_contention(work, (32, 1), others=1, steps=10, warmup=3)   # x1.2: one peer beside it
+    slower = measure_contention(work, (32, 1), others=1, steps=10, warmup=3)   # one peer beside it
     link = measure_link(2, sizes, bursts, timeout=600)          # python -m paratrain.tools.allreduce_probe
 
 Measurements take turns (one step of each shape in rotation) so that a shared machine's changing load does not
