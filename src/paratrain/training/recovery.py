@@ -4,7 +4,7 @@ When a worker dies and the launcher restarts the workers (``--max-restarts``), t
 the latest checkpoint, so the steps between that checkpoint and the failure are trained again. To report that
 honestly, the main process keeps ``progress.json`` in the checkpoint directory: the last step it finished and
 when, plus every recovery so far. It is written after every step (a few hundred bytes overwritten in place
-with one ``pwrite``, about 5 us; created atomically first), so a worker killed at any moment leaves the exact
+with one ``pwrite``; created atomically first), so a worker killed at any moment leaves the exact
 step. A restarted run reads it and records, once its first step after resuming is done (or at its end, when
 the failure came after the last step):
 
