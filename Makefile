@@ -1,11 +1,12 @@
 # make run   : the main job (creates .venv on first use)
-# make test  : lint, type-check and the test suite (what CI runs)
+# make test  : lint, type-check and the whole test suite, with the 25 slowest tests (what CI runs)
+# make unit  : the tests that start no process (under a minute): the quick loop while changing a module
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.paratrain-installed
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test lint typecheck unit suite bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/paratrain train
 
-test: lint typecheck unit
+test: lint typecheck suite
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples scripts
@@ -31,7 +32,10 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not processes"
+
+suite: $(STAMP)
+	$(PY) -m pytest -q --durations=25
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_data_parallel.py

@@ -45,7 +45,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from paratrain.training import TrainConfig, train
-from paratrain.training.datasets import TensorData, load_dataset
+from paratrain.training.data import TensorData
+from paratrain.training.datasets import load_dataset
 from paratrain.training.models import SimpleNet
 
 DATASET = "digits60k"

@@ -1,8 +1,15 @@
-"""Shared helpers: the oracle comparison of a parallel run against the plain single-device run."""
+"""Shared helpers: the oracle comparison of a parallel run against the plain single-device run; the unit-test guard.
+
+Tests that start processes (the ``paratrain`` command, torchrun, gloo ranks, any subprocess) carry
+``@pytest.mark.processes``; ``make unit`` runs the others. An unmarked test that starts a process fails, saying
+so, so the quick loop stays quick and honest.
+"""
 
 from __future__ import annotations
 
 import copy
+import multiprocessing.process
+import subprocess
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,3 +115,49 @@ def assert_image_split(data: Any, n: int) -> None:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(1234)
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``paratrain ARGS`` in this process: its exit code (argparse's SystemExit too), stdout and stderr."""
+    from paratrain.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's own errors (types, choices) exit from inside the parser
+        code = exc.code if isinstance(exc.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# -- the guard: a test that is not marked `processes` may not start one ----------------------------------------------
+
+_unit_test: list[str] = []  # the node id of the unmarked test running now, if any
+
+
+def _guarded(start: Callable[..., Any]) -> Callable[..., Any]:
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _unit_test:
+            raise AssertionError(
+                f"{_unit_test[0]} starts a process ({type(self).__name__}): mark it @pytest.mark.processes, or keep "
+                f"it in this process (cli.main([...]) instead of the command, say)"
+            )
+        return start(self, *args, **kwargs)
+
+    return guarded
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "processes: starts processes (the command, torchrun, gloo ranks); `make unit` leaves these out"
+    )
+    subprocess.Popen.__init__ = _guarded(subprocess.Popen.__init__)  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = _guarded(multiprocessing.process.BaseProcess.start)  # type: ignore[method-assign]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("processes") is None:
+        _unit_test[:] = [item.nodeid]
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    _unit_test.clear()

@@ -65,6 +65,7 @@ def ddp_runs(tmp_path_factory):
     return run_ranks(ddp_modes, WORLD, tmp_path_factory.mktemp("accumulate"), timeout=300)
 
 
+@pytest.mark.processes
 def test_ddp_accumulation_equals_one_device(ddp_runs):
     expected = plain(clip=0.5)
     for found in ddp_runs:
@@ -72,6 +73,7 @@ def test_ddp_accumulation_equals_one_device(ddp_runs):
             _close(found[name]["params"], expected["params"], atol=1e-5)
 
 
+@pytest.mark.processes
 def test_ddp_accumulation_all_reduces_once_per_optimizer_step(ddp_runs):
     for found in ddp_runs:
         run = found["fp32_k4"]
@@ -82,6 +84,7 @@ def test_ddp_accumulation_all_reduces_once_per_optimizer_step(ddp_runs):
         assert found["synchronising_every_micro_batch"] == 4 * run["buckets"]
 
 
+@pytest.mark.processes
 def test_ddp_clip_norm_is_global_and_the_same_on_every_rank(ddp_runs):
     expected = plain(clip=0.5)["norms"]
     norms = [found["fp32_k4"]["norms"] for found in ddp_runs]
@@ -99,6 +102,7 @@ def _tolerance(bits: int) -> float:
     return 2 * 2.0**-bits * movement
 
 
+@pytest.mark.processes
 def test_bf16_mixed_agrees_across_single_dp_and_ddp(ddp_runs):
     tolerance = _tolerance(8)
     runs = {}
@@ -114,6 +118,7 @@ def test_bf16_mixed_agrees_across_single_dp_and_ddp(ddp_runs):
             _close(params, other, tolerance)
 
 
+@pytest.mark.processes
 def test_16_mixed_under_ddp_scales_unscales_and_clips_like_one_device(ddp_runs):
     expected = plain(clip=0.5)
     for found in ddp_runs:

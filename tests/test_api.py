@@ -13,16 +13,15 @@ import pytest
 
 import paratrain
 from paratrain.cli import build_parser
-from paratrain.cli.options import flag_of
 from paratrain.launch import LaunchConfig
+from paratrain.settings import flag_of
 from paratrain.tools import BenchConfig, PlanConfig, VerifyConfig
 from paratrain.training import TrainConfig
 
 PACKAGE = Path(paratrain.__file__).parent
 APPLICATION = ("training", "cli", "tools")
-# beside the engine but not of it: `python -m paratrain` (the command line's entry point), and the alias kept so
-# that `from paratrain.models import SimpleNet` (as earlier READMEs showed it) still works
-NOT_ENGINE = ("__main__.py", "models.py")
+# beside the engine but not of it: `python -m paratrain` (the command line's entry point)
+NOT_ENGINE = ("__main__.py",)
 
 
 def test_public_api_is_explicit():
@@ -34,6 +33,7 @@ def test_public_api_is_explicit():
     assert public - modules == set(paratrain.__all__) - {"__version__"}
 
 
+@pytest.mark.processes
 def test_tools_load_on_first_use_only():
     # paratrain.verify/bench/plan come from the application's tools package, imported by __getattr__ when asked
     code = (
@@ -48,6 +48,7 @@ def test_tools_load_on_first_use_only():
         paratrain.nonsense  # noqa: B018
 
 
+@pytest.mark.processes
 def test_import_paratrain_loads_the_engine_only():
     code = "import sys, json, paratrain; print(json.dumps(sorted(sys.modules)))"
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
@@ -106,3 +107,83 @@ def test_every_setting_has_its_flag_with_its_default(settings, command):
         assert flag_of(field.name) in action.option_strings
         assert action.default == field.default, field.name
         assert action.help and field.metadata["help"].split(" (default")[0] in action.help.replace("%%", "%")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every paratrain module -> the paratrain modules it imports anywhere (in functions and TYPE_CHECKING too)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                candidates = [f"{target}.{alias.name}" for alias in node.names] + [target]
+            elif isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            else:
+                continue
+            for candidate in candidates:
+                if candidate in modules and candidate != name:
+                    graph[name].add(candidate)
+                    break
+    return graph
+
+
+def test_the_import_graph_has_no_cycle():
+    """No two modules import each other, directly or around a loop, not even for type hints only."""
+    graph = _import_graph()
+    assert "paratrain.training.mnist" in graph["paratrain.training.datasets"]  # the graph sees lazy imports
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = [*path[path.index(module) :], module]
+            raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            # a package's __init__ importing its own modules is how a package is made, not a cycle
+            if module.startswith(target + "."):
+                continue
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_the_engine_keeps_no_mutable_state_at_module_level():
+    """Lists, dicts, sets and counters of the engine live on the objects that own them (constants are CAPITALS)."""
+    mutable_calls = {"list", "dict", "set", "count", "defaultdict", "OrderedDict", "WeakKeyDictionary"}
+    found = []
+    for path in _engine_modules():
+        for node in ast.parse(path.read_text()).body:
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
+            value = getattr(node, "value", None)
+            for target in targets:
+                if not isinstance(target, ast.Name) or target.id.isupper() or target.id == "__all__":
+                    continue
+                call = value.func if isinstance(value, ast.Call) else None
+                called = getattr(call, "attr", getattr(call, "id", None))
+                if isinstance(value, (ast.List, ast.Dict, ast.Set)) or called in mutable_calls:
+                    found.append(f"{path.name}:{node.lineno} {target.id}")
+        found += [
+            f"{path.name}:{n.lineno} global" for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Global)
+        ]
+    assert found == [], found

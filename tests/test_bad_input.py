@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_main
 from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from paratrain.errors import CheckpointError
 from paratrain.training import TrainConfig, train
-from processes import descendants, run_cli, start_cli
+from processes import cli_command, descendants, run_cli, start_cli
 
 # --- numbers and flag combinations: exit 2 with one line, before anything starts --------------------------------
 
@@ -32,15 +36,16 @@ from processes import descendants, run_cli, start_cli
         (["--metrics-out", "/proc/version/x.json"], "--metrics-out /proc/version/x.json: /proc/version is a file"),
     ],
 )
-def test_bad_numbers_and_combinations_exit_2_with_one_line_before_any_work(args, message):
+def test_bad_numbers_and_combinations_exit_2_with_one_line_before_any_work(capsys, args, message):
     started = time.monotonic()
-    result = run_cli("train", "--epochs", "1", *args)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr and result.stderr.strip().count("\n") == 0
-    assert "Traceback" not in result.stderr and "Epoch" not in result.stdout
+    code, out, err = run_main(capsys, "train", "--epochs", "1", *args)
+    assert code == 2, err
+    assert message in err and err.strip().count("\n") == 0
+    assert "Traceback" not in err and "Epoch" not in out
     assert time.monotonic() - started < 60  # refused up front, not after a run
 
 
+@pytest.mark.processes
 def test_an_unwritable_metrics_path_is_refused_before_training_not_after(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -49,6 +54,7 @@ def test_an_unwritable_metrics_path_is_refused_before_training_not_after(tmp_pat
     assert result.stdout == ""  # not one step: the results would have been lost at the end
 
 
+@pytest.mark.processes
 def test_a_run_that_diverges_stops_with_an_error_instead_of_exiting_0():
     result = run_cli("train", "--epochs", "1", "--quiet", "--lr", "1e30")
     assert result.returncode == 1 and "the training loss became" in result.stderr and "diverged" in result.stderr
@@ -72,6 +78,7 @@ def test_a_checkpoint_with_flipped_bytes_is_refused_naming_the_last_good_one(tmp
     assert load_checkpoint(good)["step"] == 1
 
 
+@pytest.mark.processes
 def test_resume_refuses_a_damaged_checkpoint_from_the_command_line(tmp_path):
     directory = tmp_path / "ckpt"
     first = run_cli("train", "--epochs", "2", "--quiet", "--checkpoint-dir", str(directory))
@@ -135,6 +142,7 @@ def _is_loopback(hex_address: str) -> bool:
     return address == "00000000000000000000000001000000"  # ::1
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux's /proc to list listening sockets")
 def test_a_one_machine_job_listens_on_loopback_only():
     """torchrun's stores listen on every interface by default; a one-machine job through paratrain does not."""
@@ -154,3 +162,41 @@ def test_a_one_machine_job_listens_on_loopback_only():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.communicate()
+
+
+# --- paths this user cannot reach: a usage error before anything starts ---------------------------------------------
+
+
+@pytest.fixture
+def unsearchable(tmp_path_factory):
+    """A directory that user 65534 (nobody) may not enter, and a command prefix that runs as that user."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a command as another user")
+    base = Path(tempfile.mkdtemp(prefix="paratrain-perm-"))  # under /tmp, which every user may enter
+    base.chmod(0o755)
+    locked = base / "locked"
+    locked.mkdir()
+    locked.chmod(0o700)  # root's alone: no execute (search) permission for anyone else
+    yield locked, ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    shutil.rmtree(base)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "flag, relative, extra",
+    [
+        ("--metrics-out", "m.json", ()),
+        ("--checkpoint-dir", "ckpt", ()),
+        ("--log-dir", "logs", ("--no-tensorboard", "--no-plot")),
+        ("--data-dir", "", ("--dataset", "mnist")),
+    ],
+)
+def test_a_path_this_user_cannot_search_is_a_usage_error_before_training(unsearchable, flag, relative, extra):
+    locked, as_nobody = unsearchable
+    path = str(locked / relative) if relative else str(locked)
+    command = [*as_nobody, *cli_command("train", "--epochs", "1", "--quiet", flag, path, *extra)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": "/tmp"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr, result.stderr
+    assert flag in result.stderr and "Permission denied" in result.stderr, result.stderr
+    assert result.stdout == ""  # not one step

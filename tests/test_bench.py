@@ -31,6 +31,7 @@ def bench_run(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.processes
 def test_every_configuration_is_measured_against_single(bench_run):
     result, out = bench_run
     assert result.returncode == 0, result.stdout + result.stderr
@@ -50,6 +51,7 @@ def test_every_configuration_is_measured_against_single(bench_run):
         assert "dp's CPU replicas are threads on the same" in result.stdout  # they add no compute: said so
 
 
+@pytest.mark.processes
 def test_markdown_and_plot_are_written_beside_the_json(bench_run):
     _, out = bench_run
     markdown = out.with_suffix(".md").read_text()
@@ -93,7 +95,7 @@ def test_repeats_run_round_robin_and_report_medians(monkeypatch):
 def test_a_plot_without_matplotlib_is_a_usage_error_before_running(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(ConfigError, match=r"needs matplotlib.*paratrain\[plot\]"):
-        BenchConfig(plot_out="x.png").validate()
+        BenchConfig(plot_out="x.png").check()
 
 
 @pytest.mark.parametrize(
@@ -102,4 +104,4 @@ def test_a_plot_without_matplotlib_is_a_usage_error_before_running(monkeypatch):
 )
 def test_bad_settings(settings, message):
     with pytest.raises(ConfigError, match=message):
-        BenchConfig(**settings).validate()
+        BenchConfig(**settings).check()

@@ -195,6 +195,7 @@ def test_directory_fsync_refusal_does_not_fail_a_save(tmp_path: Path, monkeypatc
     assert load_checkpoint(path) == {"step": 1}
 
 
+@pytest.mark.processes
 def test_process_killed_mid_write_keeps_previous_file(tmp_path: Path) -> None:
     """A real crash: the process dies inside torch.save, so no cleanup runs at all."""
     good = save_checkpoint({"step": 1}, tmp_path, checkpoint_name(0, 1))

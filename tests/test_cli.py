@@ -6,9 +6,11 @@ import json
 
 import pytest
 
+from conftest import run_main
 from processes import run_cli as _run
 
 
+@pytest.mark.processes
 def test_env_reports_versions_and_backends():
     result = _run("env")
     assert result.returncode == 0, result.stderr
@@ -19,6 +21,7 @@ def test_env_reports_versions_and_backends():
     assert isinstance(report["accelerators"], list)
 
 
+@pytest.mark.processes
 def test_demo_prints_the_seed_lines_for_three_cpu_replicas():
     result = _run("demo", "--devices", "cpu,cpu,cpu")
     assert result.returncode == 0, result.stderr
@@ -32,6 +35,7 @@ def test_demo_prints_the_seed_lines_for_three_cpu_replicas():
     assert "Outside: input size torch.Size([10, 5]) output_size torch.Size([10, 2])" in lines
 
 
+@pytest.mark.processes
 def test_demo_defaults_to_two_cpu_replicas_without_gpu():
     import torch
 
@@ -51,8 +55,8 @@ def test_demo_defaults_to_two_cpu_replicas_without_gpu():
         (["nonsense"], "invalid choice"),
     ],
 )
-def test_usage_errors_exit_2_without_traceback(args, message):
-    result = _run(*args)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+def test_usage_errors_exit_2_without_traceback(capsys, args, message):
+    code, _, err = run_main(capsys, *args)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err

@@ -413,3 +413,13 @@ def test_errors_inside_replicas_name_replica_and_device():
     with pytest.raises(ValueError, match=r"replica 2 on device cpu") as info:
         dp(torch.randn(8, 2))  # [3, 3, 2]
     assert "replica saw two samples" in str(info.value)
+
+
+def test_a_profiler_trace_names_each_phase_of_the_pipeline():
+    model = DataParallel(nn.Linear(4, 2), device_ids=["cpu", "cpu"])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(torch.randn(6, 4)).sum().backward()
+    names = {event.name for event in prof.events()}
+    for stage in ("scatter", "replicate", "parallel_apply", "gather"):
+        assert f"paratrain::DataParallel.{stage}" in names, sorted(n for n in names if "paratrain" in n)
+    model.close()

@@ -11,14 +11,8 @@ import torch.nn.functional as F
 
 from conftest import assert_image_split
 from paratrain.errors import ConfigError
-from paratrain.training.datasets import (
-    DATASET_NAMES,
-    DatasetSplits,
-    TensorData,
-    _augment,
-    default_cache_dir,
-    load_dataset,
-)
+from paratrain.training.data import DatasetSplits, TensorData, default_cache_dir
+from paratrain.training.datasets import DATASET_NAMES, _augment, load_dataset
 
 # --- names, cache dir, containers -------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ def suite(request, tmp_path_factory):
     return world, run_ranks(_suite, world, tmp_path_factory.mktemp(f"ddp{world}"), timeout=240)
 
 
+@pytest.mark.processes
 def test_parameters_after_5_steps_equal_single_process_and_torch_ddp(suite):
     _world, ranks = suite
     for found in ranks:
@@ -59,12 +60,14 @@ def test_parameters_after_5_steps_equal_single_process_and_torch_ddp(suite):
         assert r["buckets"] >= 3
 
 
+@pytest.mark.processes
 def test_gradient_as_bucket_view(suite):
     for found in suite[1]:
         r = found["gradient_as_bucket_view"]
         assert r["vs_single"] < 1e-5 and r["grad_in_bucket"]
 
 
+@pytest.mark.processes
 def test_no_sync_accumulation_equals_one_big_batch(suite):
     for found in suite[1]:
         r = found["no_sync_accumulates"]
@@ -72,6 +75,7 @@ def test_no_sync_accumulation_equals_one_big_batch(suite):
         assert r["local_differs_before_sync"]  # inside no_sync the gradients really were local
 
 
+@pytest.mark.processes
 def test_unused_parameters(suite):
     _world, ranks = suite
     for found in ranks:
@@ -83,6 +87,7 @@ def test_unused_parameters(suite):
         assert "never.weight" in r["strict_error"] and "find_unused_parameters=True" in r["strict_error"]
 
 
+@pytest.mark.processes
 def test_compression_hooks_stay_close_to_plain_all_reduce_over_100_steps(suite):
     for found in suite[1]:
         r = found["comm_hooks"]
@@ -91,6 +96,7 @@ def test_compression_hooks_stay_close_to_plain_all_reduce_over_100_steps(suite):
         assert r["fp16"] > 0 or r["bf16"] > 0  # they really compressed
 
 
+@pytest.mark.processes
 def test_startup_mismatch_names_parameter_and_ranks(suite):
     _world, ranks = suite
     for message in (found["startup_mismatch"] for found in ranks):
@@ -98,6 +104,7 @@ def test_startup_mismatch_names_parameter_and_ranks(suite):
         assert "ranks 1 differ from rank 0" in message
 
 
+@pytest.mark.processes
 def test_buffers_broadcast_and_state_dict(suite):
     _world, ranks = suite
     assert len({found["buffers_and_state_dict"]["after_start"] for found in ranks}) == 1
@@ -107,12 +114,14 @@ def test_buffers_broadcast_and_state_dict(suite):
         assert r["keys"][0].startswith("module.") and r["round_trip"]
 
 
+@pytest.mark.processes
 def test_uneven_inputs_finish_under_join(suite):
     world, ranks = suite
     assert [found["join_uneven"]["done"] for found in ranks] == [2 + 2 * r for r in range(world)]
     assert ranks[-1]["join_uneven"]["vs_replay"] < 1e-5
 
 
+@pytest.mark.processes
 def test_nothing_left_that_needs_the_gil_at_exit_and_no_thread_of_ours(suite):
     """The SIGABRT after a finished job: gradient Works held backward's Python Context (see collectives.py)."""
     for found in suite[1]:
@@ -122,6 +131,7 @@ def test_nothing_left_that_needs_the_gil_at_exit_and_no_thread_of_ours(suite):
         assert r["threads_left"] == []
 
 
+@pytest.mark.processes
 def test_parallel_with_global_batches_smaller_than_the_world(suite):
     world, ranks = suite
     expected_local = [1, 1, 0] if world == 3 else [1, 1]
@@ -130,6 +140,7 @@ def test_parallel_with_global_batches_smaller_than_the_world(suite):
         assert found["parallel_with_tiny_batches"]["vs_single"] < 1e-5
 
 
+@pytest.mark.processes
 def test_a_rank_that_skips_a_collective_is_named(tmp_path):
     results = run_ranks(skipped_collective, 3, tmp_path, timeout=60)
     assert results[2] == "skipped"
@@ -143,12 +154,14 @@ def test_without_a_process_group_the_error_says_how_to_start():
     assert "init_process_group" in process_group_required()
 
 
+@pytest.mark.processes
 def test_a_rank_whose_peer_exited_names_it(tmp_path):
     results = run_ranks(peer_exits, 3, tmp_path, timeout=90, exits=2)
     for message in results[:2]:
         assert "failed: rank(s) 2 stopped responding" in message, message
 
 
+@pytest.mark.processes
 def test_the_watchdog_names_the_missing_rank_and_ends_the_process(tmp_path, capfd):
     """The GPU way of waiting, forced on gloo: nothing raises in the training thread, the watchdog ends the hang."""
     results = run_ranks(watchdog_ends_a_hang, 2, tmp_path, timeout=90, exits=0)

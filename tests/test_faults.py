@@ -23,6 +23,8 @@ from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_check
 from paratrain.training import TrainConfig, train
 from processes import cli_command, descendants, finish, free_port, run_cli, start_cli, worker_with_rank
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 # an MLP of 11.9M parameters: a 48 MB checkpoint whose write takes a few tenths of a second here
 BIG = ("--model", "mlp", "--width", "3072", "--depth", "2", "--quiet")
 

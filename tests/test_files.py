@@ -90,6 +90,7 @@ def test_check_output_says_what_is_wrong_before_anything_runs(tmp_path, relative
     assert not (tmp_path / "new").exists()  # checking creates nothing
 
 
+@pytest.mark.processes
 def test_temporaries_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
     """A writer SIGKILLed mid-write leaves its temporary file; the next run removes it, not a live writer's."""
     script = textwrap.dedent(
@@ -112,6 +113,7 @@ def test_temporaries_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.pt"]
 
 
+@pytest.mark.processes
 def test_metrics_out_to_a_device_or_a_link_keeps_it_what_it_was(tmp_path):
     """The reported case: --metrics-out at a device turned it into a regular file. A link must stay a link."""
     real = tmp_path / "results" / "m.json"

@@ -162,15 +162,15 @@ def test_auto_is_one_process_per_accelerator_and_one_without() -> None:
 )
 def test_validation_errors_say_what_was_expected(config: LaunchConfig, message: str) -> None:
     with pytest.raises(ConfigError) as info:
-        config.validate()
+        config.check()
     assert message in str(info.value)
     assert isinstance(info.value, ValueError)
 
 
 def test_valid_configs_pass() -> None:
-    LaunchConfig().validate()
-    LaunchConfig(rdzv_endpoint="localhost:0").validate()  # one node may let the OS pick the rendezvous port
-    LaunchConfig(nnodes="2:2", rdzv_endpoint="h:29400", node_rank=1).validate()
+    LaunchConfig().check()
+    LaunchConfig(rdzv_endpoint="localhost:0").check()  # one node may let the OS pick the rendezvous port
+    LaunchConfig(nnodes="2:2", rdzv_endpoint="h:29400", node_rank=1).check()
 
 
 def test_script_name_and_missing_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,6 +212,7 @@ def test_parser_passes_everything_after_the_script_through() -> None:
 # --- real torchrun runs -------------------------------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_single_node_workers_see_torchrun_env(tmp_path: Path, nproc: int) -> None:
     code = launch(LaunchConfig(nproc_per_node=nproc), PROBE, [str(tmp_path), "x", "--flag"], timeout=TIMEOUT_S)
@@ -222,6 +223,7 @@ def test_single_node_workers_see_torchrun_env(tmp_path: Path, nproc: int) -> Non
     assert all(r["extra"] == ["x", "--flag"] and r["TORCHELASTIC_RESTART_COUNT"] == "0" for r in reports)
 
 
+@pytest.mark.processes
 def test_failing_worker_gives_nonzero_exit_and_torchrun_summary(tmp_path: Path) -> None:
     command = [
         *_launch_command(),
@@ -246,6 +248,7 @@ def test_failing_worker_gives_nonzero_exit_and_torchrun_summary(tmp_path: Path) 
     assert "RuntimeWarning" not in done.stderr, done.stderr
 
 
+@pytest.mark.processes
 def test_max_restarts_recovers_from_a_failed_first_attempt(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     config = LaunchConfig(nproc_per_node=2, max_restarts=1)
     assert launch(config, PROBE, [str(tmp_path), "--fail-first-attempt"], timeout=TIMEOUT_S) == 0
@@ -256,6 +259,7 @@ def test_max_restarts_recovers_from_a_failed_first_attempt(tmp_path: Path, capfd
     assert [r["TORCHELASTIC_RESTART_COUNT"] for r in reports] == ["1", "1"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_two_node_agents_on_one_machine(tmp_path: Path, rendezvous: str) -> None:
     """Two `paratrain launch` processes, one per node, meet over loopback and form one world of two."""
@@ -286,6 +290,7 @@ def test_two_node_agents_on_one_machine(tmp_path: Path, rendezvous: str) -> None
         assert [r["GROUP_RANK"] for r in reports] == ["0", "1"]
 
 
+@pytest.mark.processes
 def test_interrupt_stops_torchrun_and_its_workers(tmp_path: Path) -> None:
     command = [*_launch_command(), "--nproc-per-node", "2", PROBE, str(tmp_path), "--sleep", "300"]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -310,6 +315,7 @@ def test_interrupt_stops_torchrun_and_its_workers(tmp_path: Path) -> None:
             os.kill(pid, 0)
 
 
+@pytest.mark.processes
 def test_timeout_stops_the_job(tmp_path: Path) -> None:
     started = time.monotonic()
     with pytest.raises(DistributedError, match="did not finish within 3 s"):

@@ -5,7 +5,8 @@ import torch
 
 from paratrain.errors import ConfigError
 from paratrain.scatter_gather import shard, split_sizes
-from paratrain.training.datasets import TensorData, load_dataset
+from paratrain.training.data import TensorData
+from paratrain.training.datasets import load_dataset
 from paratrain.training.loader import DeviceLoader
 
 

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
+from conftest import run_main
 from parallel_scenarios import (
     eval_loader_between_forward_and_backward,
     gather_pads_and_trims,
@@ -24,7 +25,7 @@ from paratrain.training import TrainConfig, train
 from paratrain.training.datasets import load_dataset
 from paratrain.training.loader import DeviceLoader
 from paratrain.training.models import SimpleNet
-from processes import run_cli, run_ranks
+from processes import run_ranks
 
 
 @pytest.mark.parametrize(
@@ -158,7 +159,7 @@ def test_auto_means_one_thing(monkeypatch, name, devices, gpus, launched, expect
     )
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if launched:
-            monkeypatch.setenv(variable, "0" if "ADDR" not in variable else "127.0.0.1")
+            monkeypatch.setenv(variable, {"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "1"}.get(variable, "0"))
         else:
             monkeypatch.delenv(variable, raising=False)
     assert resolve_strategy(name, devices) == expected
@@ -184,10 +185,10 @@ def test_a_strategy_object_with_devices_or_timeout_is_refused():
     assert par.strategy_name == "single" and par.describe() == "single on cpu"
 
 
-def test_launcher_flags_without_ddp_are_a_usage_error():
-    result = run_cli("train", "--devices", "cpu,cpu", "--nproc-per-node", "2", "--epochs", "1")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "--nproc-per-node start processes for strategy ddp, but strategy 'auto' resolves to 'dp'" in result.stderr
+def test_launcher_flags_without_ddp_are_a_usage_error(capsys):
+    code, _, err = run_main(capsys, "train", "--devices", "cpu,cpu", "--nproc-per-node", "2", "--epochs", "1")
+    assert code == 2 and "Traceback" not in err
+    assert "--nproc-per-node start processes for strategy ddp, but strategy 'auto' resolves to 'dp'" in err
 
 
 def test_batch_tensors_that_disagree_on_size_are_named():
@@ -213,6 +214,7 @@ def parallel_suite(request, tmp_path_factory):
     return world, run_ranks(_parallel_suite, world, tmp_path_factory.mktemp(f"parallel{world}"), timeout=240)
 
 
+@pytest.mark.processes
 def test_gather_of_unequal_and_empty_parts(parallel_suite):
     world, ranks = parallel_suite
     ragged = [10.0 * r + i for r in range(world) for i in range(r + 1)]
@@ -224,6 +226,7 @@ def test_gather_of_unequal_and_empty_parts(parallel_suite):
         assert found["all_empty_shape"] == [0, 2]
 
 
+@pytest.mark.processes
 def test_a_users_shuffle_order_is_kept(parallel_suite):
     _world, ranks = parallel_suite
     expected = ranks[0]["user_shuffle_order"]["plain_expected"]
@@ -234,11 +237,13 @@ def test_a_users_shuffle_order_is_kept(parallel_suite):
     assert expected[0] != expected[1]  # two epochs, two shuffles
 
 
+@pytest.mark.processes
 def test_an_eval_loader_does_not_change_the_training_weight(parallel_suite):
     for found in (r["eval_loader_between_forward_and_backward"] for r in parallel_suite[1]):
         assert found["vs_single"] < 1e-5
 
 
+@pytest.mark.processes
 def test_empty_shares_leave_the_epoch_loss_finite(tmp_path):
     """718 samples a batch leave one sample in the last batch of digits' 1,437: ranks 1 and 2 get none."""
     settings = {"batch_size": 718, "epochs": 2}

@@ -17,6 +17,7 @@ def _flags(settings: dict) -> list[str]:
     return [part for key, value in settings.items() for part in (f"--{key.replace('_', '-')}", str(value))]
 
 
+@pytest.mark.processes
 def test_plan_predicts_every_world_size_with_measured_inputs(tmp_path):
     out = tmp_path / "plan.json"
     result = run_cli(

@@ -31,6 +31,7 @@ def _busy_children() -> list[int]:
     return found
 
 
+@pytest.mark.processes
 def test_peers_run_the_model_during_the_measurement_and_are_gone_after():
     work = Workload.load(TINY)
     with running_beside(work, batch=6, threads=1, others=2):
@@ -51,6 +52,7 @@ def _state(pid: int, wanted: str) -> str:
         time.sleep(0.01)
 
 
+@pytest.mark.processes
 def test_peers_are_stopped_and_continued_between_the_measured_steps():
     with running_beside(Workload.load(TINY), batch=6, threads=1, others=1) as peers:
         (pid,) = _busy_children()
@@ -60,6 +62,7 @@ def test_peers_are_stopped_and_continued_between_the_measured_steps():
         assert _state(pid, "RS") in "RS"
 
 
+@pytest.mark.processes
 def test_contention_is_measured_once_per_number_of_peers(monkeypatch):
     """2 cores, one thread each: world sizes 2 and 3 both have one peer beside each process (3 also time-shares),
     so one measurement, at world size 2's shape, with real peers, serves both."""
@@ -77,6 +80,7 @@ def test_contention_is_measured_once_per_number_of_peers(monkeypatch):
     assert math.isfinite(factors[2])
 
 
+@pytest.mark.processes
 def test_a_peer_that_cannot_start_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(sys, "executable", "/bin/false")
     work = Workload.load(TINY)

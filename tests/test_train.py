@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import run_main
 from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.training import TrainConfig, train
@@ -82,6 +83,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_fingerprint(seed_run, tmp_path
     assert resumed.train_loss == pytest.approx(seed_run[0].train_loss, abs=1e-12)
 
 
+@pytest.mark.processes
 def test_resume_after_a_killed_process(seed_run, tmp_path):
     """A real fault: SIGKILL the training process once it has written a mid-epoch checkpoint, then resume."""
     args = [
@@ -173,6 +175,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return run_cli("train", *args)
 
 
+@pytest.mark.processes
 def test_cli_prints_the_seed_lines_and_writes_metrics(tmp_path):
     out = tmp_path / "metrics.json"
     result = _cli("--epochs", "2", "--log-every", "10", "--metrics-out", str(out))
@@ -199,6 +202,7 @@ def test_cli_prints_the_seed_lines_and_writes_metrics(tmp_path):
     assert metrics["epochs"] == 2 and len(metrics["model_fingerprint"]) == 64
 
 
+@pytest.mark.processes
 def test_cli_quiet_prints_only_the_result():
     result = _cli("--epochs", "1", "--quiet")
     assert result.returncode == 0, result.stderr
@@ -217,13 +221,14 @@ def test_cli_quiet_prints_only_the_result():
         (["--resume"], 2, "--resume needs --checkpoint-dir"),
     ],
 )
-def test_cli_usage_errors_exit_2_without_traceback(args, code, message):
-    result = _cli(*args)
-    assert result.returncode == code, result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+def test_cli_usage_errors_exit_2_without_traceback(capsys, args, code, message):
+    found, _, err = run_main(capsys, "train", *args)
+    assert found == code, err
+    assert message in err
+    assert "Traceback" not in err
 
 
+@pytest.mark.processes
 def test_cli_runtime_errors_exit_1(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -234,6 +239,7 @@ def test_cli_runtime_errors_exit_1(tmp_path):
     assert result.returncode == 1 and "no checkpoint in" in result.stderr
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(os.environ.get("PARATRAIN_SKIP_EXAMPLES") == "1", reason="examples skipped on request")
 @pytest.mark.parametrize(
     "script, extra", [("mnist_single.py", []), ("mnist_parallel.py", ["--strategy", "dp", "--devices", "cpu,cpu"])]

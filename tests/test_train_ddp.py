@@ -13,6 +13,8 @@ from paratrain.training import TrainConfig, train
 from processes import finish as _finish
 from processes import free_port, run_cli, start_cli
 
+pytestmark = pytest.mark.processes  # every test here starts processes
+
 EPOCHS = "2"
 
 

@@ -312,6 +312,7 @@ def test_a_users_model_that_fails_says_which(user_models, factory, message):
 # --- ddp end to end: accumulation over processes, and one logger, not one per rank --------------------------
 
 
+@pytest.mark.processes
 def test_ddp_accumulates_like_one_device_and_only_rank_0_logs(one_step_per_batch, tmp_path):
     tensorboard = "--tensorboard" if _has("tensorboard") else "--no-tensorboard"
     plot = "--plot" if _has("matplotlib") else "--no-plot"

@@ -46,6 +46,7 @@ def monkeypatch_module():
         yield patch
 
 
+@pytest.mark.processes
 def test_a_clean_model_passes_every_configuration_at_rounding_level(clean):
     for word in ("single", "dp:cpu,cpu", "dp:cpu,cpu,cpu", "ddp:2"):
         assert clean[word].status == "PASS", clean[word]
@@ -57,6 +58,7 @@ def test_a_clean_model_passes_every_configuration_at_rounding_level(clean):
     assert "ddp:2" in report.render()
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can run dp over GPUs")
 def test_a_configuration_this_machine_cannot_run_is_skipped_never_passed(clean):
     skipped = clean[GPU_DP]
@@ -64,6 +66,7 @@ def test_a_configuration_this_machine_cannot_run_is_skipped_never_passed(clean):
     assert "SKIPPED: no CUDA device is visible" in clean["report"].render()
 
 
+@pytest.mark.processes
 def test_command_end_to_end_names_a_summed_loss_under_ddp(tmp_path):
     out = tmp_path / "verify.json"
     args = ["--model", "verify_models:clean_net", "--input-shape", "6", "--num-classes", "3", "--batch-size", "12"]
@@ -134,9 +137,9 @@ def test_a_configuration_that_fails_to_run_is_an_error_not_a_pass():
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"optimizer": "lamb"}, "--optimizer: expected one of sgd, adamw"),
-        ({"precision": "8"}, "--precision: expected one of 32, bf16-mixed, 16-mixed"),
-        ({"accumulate": 0}, "--accumulate must be from 1 to --batch-size"),
+        ({"optimizer": "lamb"}, "unknown optimizer 'lamb'; choose one of: sgd, adamw"),
+        ({"precision": "8"}, "unknown precision '8'; choose one of: 32, bf16-mixed, 16-mixed"),
+        ({"accumulate": 0}, "--accumulate must be at least 1"),
         ({"configs": ["dp:cpu"]}, "at least two devices"),
         ({"dataset": "digits", "input_shape": "6"}, "give one of them"),
         ({"input_shape": "3,x"}, "positive integers"),
@@ -145,13 +148,13 @@ def test_a_configuration_that_fails_to_run_is_an_error_not_a_pass():
 )
 def test_settings_no_run_can_use_are_usage_errors(settings, message):
     with pytest.raises(ConfigError, match=message):
-        VerifyConfig(**settings).validate()
+        VerifyConfig(**settings).check()
 
 
 def test_usage_error_exits_2_with_one_line(capsys):
     assert main(["verify", "--accumulate", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.strip().count("\n") == 0 and "--accumulate must be from 1" in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0 and "--accumulate must be at least 1" in err and "Traceback" not in err
 
 
 def test_the_runs_optimizer_precision_and_accumulation_are_verified(monkeypatch_module):

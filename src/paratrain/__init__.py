@@ -17,6 +17,7 @@ from .data_parallel import DataParallel
 from .distributed import DistributedDataParallel
 from .errors import (
     CheckpointError,
+    CollectiveError,
     ConfigError,
     DataError,
     DeviceError,
@@ -34,6 +35,7 @@ from .version import __version__
 
 __all__ = [
     "CheckpointError",
+    "CollectiveError",
     "ConfigError",
     "DataError",
     "DataParallel",

@@ -21,8 +21,9 @@ How a wait is watched depends on where the collective runs:
   torch's own NCCL watchdog does: the host thread may be stuck inside CUDA and could not raise.
 
 After a collective timed out, this process's group holds a collective that will never complete: tearing the
-group down would wait for it (gloo waits its own timeout). :func:`wedged` says so, teardown skips the group,
-and ``paratrain train`` ends the process at once with exit code 1.
+group down would wait for it (gloo waits its own timeout). The error is a :class:`CollectiveError`, the monitor
+keeps it as :attr:`CollectiveMonitor.failure`, teardown skips the group, and ``paratrain train`` ends the
+process at once with exit code 1.
 """
 
 from __future__ import annotations
@@ -41,19 +42,12 @@ import torch
 import torch.distributed as dist
 
 from .board import Board
-from .errors import DistributedError
+from .errors import CollectiveError, DistributedError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor", "no_python_in_work", "to_seconds", "wait_work", "wedged"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor", "group_sequence", "no_python_in_work", "to_seconds", "wait_work"]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the other ranks, everywhere in paratrain
 EXIT_COLLECTIVE_FAILED = 1
-
-_wedged: list[str] = []  # this process's collective failures: its process group cannot be torn down cleanly
-
-
-def wedged() -> str | None:
-    """Why this process's process group holds a collective that will not complete, or None if it does not."""
-    return _wedged[0] if _wedged else None
 
 
 def to_seconds(timeout: float | timedelta | None) -> float | None:
@@ -109,6 +103,16 @@ def no_python_in_work() -> Iterator[None]:
         torch._C._stash_obj_in_tls(_TLS_KEY, stashed)
 
 
+def group_sequence(group: Any) -> int:
+    """How many collectives ``group`` has run (torch counts them per group; equal on every rank at the same
+    point of a correct program). 0 when the group does not count."""
+    counter = getattr(group, "_get_sequence_number_for_group", None)
+    try:
+        return int(counter()) if counter is not None else 0
+    except RuntimeError:
+        return 0
+
+
 def _default_store() -> Any:
     try:
         return dist.distributed_c10d._get_default_store()
@@ -147,6 +151,7 @@ class CollectiveMonitor:
         self.global_rank = dist.get_rank()
         self.host_waits = dist.get_backend(group) != "nccl" if host_waits is None else host_waits
         self._seq = 0
+        self.failure: str | None = None  # why a collective of this monitor timed out or failed
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()
         store = _default_store() if self.timeout is not None else None
@@ -193,8 +198,9 @@ class CollectiveMonitor:
             raise self._failed(self.timeout_error(seq, what))
         return None
 
-    def _failed(self, error: DistributedError) -> DistributedError:
-        _wedged.append(str(error))
+    def _failed(self, error: CollectiveError) -> CollectiveError:
+        if self.failure is None:
+            self.failure = str(error)
         return error
 
     def _watch(self) -> None:
@@ -209,7 +215,7 @@ class CollectiveMonitor:
         sys.stdout.flush()
         os._exit(EXIT_COLLECTIVE_FAILED)  # the host thread may be blocked in CUDA: only leaving ends the hang
 
-    def timeout_error(self, seq: int, what: str) -> DistributedError:
+    def timeout_error(self, seq: int, what: str) -> CollectiveError:
         """The error for collective ``seq`` not completing in time, naming the ranks that did not arrive."""
         if self._board is None:
             who = "the process group has no store to tell which ranks are missing"
@@ -229,13 +235,13 @@ class CollectiveMonitor:
                 who = "the store is unreachable"
             if unknown:
                 who += f" (rank(s) {_ranks(unknown)} could not be asked: the store is unreachable)"
-        return DistributedError(
+        return CollectiveError(
             f"rank {self.global_rank}: {what} (collective #{seq}) did not complete within {self.timeout:g}s: {who}. "
             f"Check those processes (stuck, crashed, or skipping a forward/backward the others ran); use "
             f"join() for uneven inputs; raise the limit with timeout=... (paratrain train --timeout)"
         )
 
-    def failure_error(self, seq: int, what: str, exc: BaseException) -> DistributedError:
+    def failure_error(self, seq: int, what: str, exc: BaseException) -> CollectiveError:
         """The error for collective ``seq`` failing (a peer closed its connection, say), naming silent ranks."""
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         who = ""
@@ -245,7 +251,7 @@ class CollectiveMonitor:
                 who = f": rank(s) {_ranks(silent)} stopped responding (their process probably exited; see its error)"
             elif unknown:
                 who = ": the store is unreachable, so its host (the launcher, or rank 0) is probably gone"
-        return DistributedError(f"rank {self.global_rank}: {what} (collective #{seq}) failed{who} ({reason})")
+        return CollectiveError(f"rank {self.global_rank}: {what} (collective #{seq}) failed{who} ({reason})")
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -19,6 +19,7 @@ from torch import nn
 from .devices import DeviceLike, parse_device, parse_device_list
 from .errors import ConfigError, DeviceError
 from .parallel_apply import ThreadState, WorkerPool, parallel_apply
+from .profiling import phase
 from .replicate import BUFFER_MODES, BufferMode, ReplicaSet, Replicator
 from .scatter_gather import Scattered, gather, scatter
 
@@ -130,19 +131,26 @@ class DataParallel(nn.Module):
         if not self.device_ids:
             return self.module(*inputs, **kwargs)
         self.check_module_device()
-        shares = self.scatter(inputs, kwargs)
+        with phase("paratrain::DataParallel.scatter"):
+            shares = self.scatter(inputs, kwargs)
         if len(self.device_ids) == 1:
             # one device: no replicas, no threads; the module is just called there
             out = self.module(*shares[0].args, **shares[0].kwargs)
-            return out if self.output_device == self.device_ids[0] else self.gather([out])
+            if self.output_device == self.device_ids[0]:
+                return out
+            with phase("paratrain::DataParallel.gather"):
+                return self.gather([out])
         with self._lock:  # the replica objects are shared state: one forward at a time per wrapper
-            replicas = self.replicate(shares)
+            with phase("paratrain::DataParallel.replicate"):
+                replicas = self.replicate(shares)
             try:
-                outputs = self.parallel_apply(replicas, shares)
+                with phase("paratrain::DataParallel.parallel_apply"):
+                    outputs = self.parallel_apply(replicas, shares)
                 self.sync_buffers(replicas, shares)
             finally:
                 replicas.release()
-        return self.gather(outputs)
+        with phase("paratrain::DataParallel.gather"):
+            return self.gather(outputs)
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Scattered]:
         """Split the batch: one share per device that gets samples."""

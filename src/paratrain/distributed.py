@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, to_seconds, wait_work
+from .collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, group_sequence, to_seconds, wait_work
 from .comm_hooks import CommHook
 from .devices import DeviceLike, parse_device
 from .errors import ConfigError, DeviceError, DistributedError
@@ -35,9 +35,6 @@ from .reducer import Reducer
 from .tree import map_tensors
 
 __all__ = ["DistributedDataParallel", "Join"]
-
-# wrappers this process has built; ranks agree on a monitor namespace from it at start-up (see _start_up)
-_wrappers_built = 0
 
 
 def _on_grad(reducer_ref: weakref.ref[Reducer], index: int, param: torch.Tensor) -> None:
@@ -149,15 +146,15 @@ class DistributedDataParallel(nn.Module):
     def _start_up(self, timeout: float | None) -> str:
         """Check that every rank holds the same parameters (names, shapes, dtypes), and agree on a namespace.
 
-        One all-gather carries a digest of the parameters and how many wrappers each rank has built. The
-        namespace of this wrapper's collective monitor is the largest count: the same on every rank whatever
-        each built before, and larger than that of any earlier wrapper on any member rank, so its store keys
-        can neither drift apart across ranks nor collide with another wrapper's.
+        One all-gather carries a digest of the parameters and how many collectives the group has run (torch
+        counts them per group). The namespace of this wrapper's collective monitor is the largest count: the
+        same on every rank, and larger than that of any earlier wrapper over the group, so its store keys can
+        neither drift apart across ranks nor collide with another wrapper's.
         """
-        global _wrappers_built
         signature = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.module.named_parameters()]
         digest = int.from_bytes(hashlib.sha256(repr(signature).encode()).digest()[:7], "big")
-        mine = torch.tensor([digest, _wrappers_built], dtype=torch.int64, device=self._control_device())
+        sequence = group_sequence(self.process_group)
+        mine = torch.tensor([digest, sequence], dtype=torch.int64, device=self._control_device())
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(everyone, mine, group=self.process_group, async_op=True)
         if not wait_work(work, timeout):
@@ -167,12 +164,11 @@ class DistributedDataParallel(nn.Module):
                 f"model in every process, at the same point of the script"
             )
         agreed = max(int(t[1]) for t in everyone)
-        _wrappers_built = agreed + 1
         if any(int(t[0]) != digest for t in everyone):
             signatures: list[Any] = [None] * self.world_size
             dist.all_gather_object(signatures, signature, group=self.process_group)
             raise DistributedError(_describe_mismatch(signatures))
-        return f"ddp{agreed}"
+        return f"ddp-{_group_name(self.process_group)}-{agreed}"
 
     def _broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         """Copy rank 0's values of ``tensors`` to every rank, one flat message per dtype and device."""
@@ -288,6 +284,11 @@ class Join:
                     ddp.reducer.shadow()
         finally:
             self.ddp._join = None
+
+
+def _group_name(group: Any) -> str:
+    name = getattr(group, "group_name", None)
+    return str(name) if name is not None else "world"
 
 
 def _describe_mismatch(signatures: list[Any]) -> str:

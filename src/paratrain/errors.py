@@ -12,7 +12,8 @@ derives from the builtin that code written against PyTorch would catch (``ValueE
     ├── ReplicaError (RuntimeError)       one or more replicas failed; names each replica and device
     ├── DataError (RuntimeError)          missing or corrupt dataset files
     ├── CheckpointError (RuntimeError)    unreadable, corrupt or incompatible checkpoints
-    ├── DistributedError (RuntimeError)   collectives that disagree across ranks or time out
+    ├── DistributedError (RuntimeError)   ranks that disagree, or a collective that did not complete
+    │   └── CollectiveError               a collective that timed out or failed: its group is unusable now
     └── TrainingError (RuntimeError)      a run that cannot go on meaningfully (its loss became nan or inf)
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CollectiveError",
     "ConfigError",
     "DataError",
     "DeviceError",
@@ -66,6 +68,14 @@ class CheckpointError(ParatrainError, RuntimeError):
 
 class DistributedError(ParatrainError, RuntimeError):
     """Ranks disagree, or a collective did not complete in time."""
+
+
+class CollectiveError(DistributedError):
+    """A collective timed out or failed: the process group holds work that will never complete.
+
+    Nothing may wait on that group afterwards (tearing it down would wait for the lost collective): leave the
+    process, and the launcher stops the others.
+    """
 
 
 class TrainingError(ParatrainError, RuntimeError):

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 from .errors import ConfigError
 
-__all__ = ["atomic_writer", "check_output", "remove_stale_temporaries", "resolve_output"]
+__all__ = ["atomic_writer", "check_input_dir", "check_output", "remove_stale_temporaries", "resolve_output"]
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 # .<name>.<host>.<pid>.<random>.tmp: a leading dot and a .tmp suffix, so no listing takes it for the real file
@@ -60,9 +60,19 @@ def check_output(path: str | Path, what: str) -> Path:
     either (the missing ones are checked against the first existing parent).
 
     Raises:
-        ConfigError: naming ``what`` (e.g. ``--metrics-out``): the path is a directory, lies under a file, or its
-            directory cannot be written.
+        ConfigError: naming ``what`` (e.g. ``--metrics-out``): the path is a directory, lies under a file or a
+            directory this user may not search, or its directory cannot be written.
     """
+    try:
+        return _check_output(path, what)
+    except OSError as err:  # a directory on the way this user may not search (no execute permission), say
+        raise ConfigError(
+            f"{what} {path}: {err.strerror or err}{f' ({err.filename})' if err.filename else ''}; this user "
+            f"cannot reach that path: choose a path you can write to, or fix the permissions of its directories"
+        ) from err
+
+
+def _check_output(path: str | Path, what: str) -> Path:
     target = resolve_output(path)
     if target.is_dir():
         raise ConfigError(f"{what} {path}: is a directory; give a file name inside it")
@@ -86,6 +96,34 @@ def check_output(path: str | Path, what: str) -> Path:
             f"{what} {path}: cannot create files in {parent} ({err.strerror or err}); choose a writable path"
         ) from err
     return target
+
+
+def check_input_dir(path: str | Path, what: str) -> Path:
+    """Check now that the directory ``path``, if it exists, can be listed and read by this user.
+
+    A directory that does not exist yet passes (a download may create it: :func:`check_output` checks that).
+
+    Raises:
+        ConfigError: naming ``what`` (e.g. ``--data-dir``): the path is a file, or this user may not search or
+            read it.
+    """
+    directory = Path(path)
+    try:
+        if not directory.exists():
+            return directory
+        if not directory.is_dir():
+            raise ConfigError(f"{what} {path}: is a file; give the directory that holds the files")
+        os.listdir(directory)
+    except OSError as err:
+        raise ConfigError(
+            f"{what} {path}: {err.strerror or err}; this user cannot read that directory: fix its permissions (and "
+            f"those of the directories above it), or choose another"
+        ) from err
+    if not os.access(directory, os.R_OK | os.X_OK):
+        raise ConfigError(
+            f"{what} {path}: this user cannot read that directory; fix its permissions, or choose another"
+        )
+    return directory
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ from .errors import ConfigError, DistributedError
 from .launch_config import EXIT_RENDEZVOUS_FAILED, LaunchConfig, local_world_size, parse_endpoint
 from .supervise import supervise
 
-__all__ = ["LaunchConfig", "launch", "local_world_size", "restart_count", "torchrun_args"]
+__all__ = ["LaunchConfig", "launch", "local_world_size", "torchrun_args"]
 
 
 def _loopback_addr(host: str) -> str | None:
@@ -71,7 +71,7 @@ def torchrun_args(
     Raises:
         ConfigError: from :meth:`LaunchConfig.validate`, or for a script name starting with ``-``.
     """
-    config.validate()
+    config.check()
     if not script or script.startswith("-"):
         raise ConfigError(f"expected a script path or module name, found {script!r}")
     args = [
@@ -131,12 +131,6 @@ def _wrapper_args(config: LaunchConfig) -> list[str]:
     if config.is_single_node:
         args.append("--bind=127.0.0.1")  # nothing outside this machine needs to reach a job that runs on it
     return args
-
-
-def restart_count() -> int:
-    """How often the launcher has restarted this worker's group (0: the first attempt, or no launcher)."""
-    text = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return int(text) if text.isdigit() else 0
 
 
 def _worker_env(config: LaunchConfig) -> dict[str, str]:

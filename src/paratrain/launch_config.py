@@ -1,7 +1,7 @@
 """How many processes to start, on how many machines, and how they meet: :class:`LaunchConfig`, checked.
 
     config = LaunchConfig(nproc_per_node=2, nnodes="1:4", rdzv_endpoint="10.0.0.1:29400", max_restarts=3)
-    config.validate()                  # ConfigError saying what was expected, what was found, what to pass
+    config.check()                     # ConfigError saying what was expected, what was found, what to pass
     local_world_size("auto")           # one process per GPU, one without a GPU
 
 The fields are also the launcher flags of ``paratrain launch`` and ``paratrain train`` (their help is each
@@ -10,9 +10,10 @@ field's metadata); :mod:`paratrain.launch` turns a config into torchrun's comman
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import ConfigError
+from .settings import Settings, setting
 
 __all__ = ["EXIT_RENDEZVOUS_FAILED", "LaunchConfig", "local_world_size", "parse_endpoint"]
 
@@ -20,7 +21,7 @@ EXIT_RENDEZVOUS_FAILED = 75  # paratrain._torchrun's exit when the nodes never m
 
 
 @dataclass(frozen=True)
-class LaunchConfig:
+class LaunchConfig(Settings):
     """How many processes to start, on how many machines, and how they find each other.
 
     Three ways for the nodes to meet, chosen by the fields given:
@@ -37,65 +38,68 @@ class LaunchConfig:
     Each field's help (its metadata) is also the help of its ``paratrain launch`` / ``paratrain train`` flag.
     """
 
-    nproc_per_node: int | str = field(
-        default="auto",
-        metadata={
-            "help": "processes on this machine, or auto: one per GPU, and one without a GPU (torchrun's own auto "
-            "would start one per CPU core)",
-            "metavar": "N|auto",
-        },
+    nproc_per_node: int | str = setting(
+        "auto",
+        "processes on this machine, or auto: one per GPU, and one without a GPU (torchrun's own auto "
+        "would start one per CPU core)",
+        metavar="N|auto",
     )
-    nnodes: int | str = field(
-        default="1",
-        metadata={"help": "number of machines, N or MIN:MAX (elastic; needs --rdzv-endpoint)", "metavar": "N|MIN:MAX"},
+    nnodes: int | str = setting(
+        "1",
+        "number of machines, N or MIN:MAX (elastic; needs --rdzv-endpoint)",
+        metavar="N|MIN:MAX",
     )
-    node_rank: int = field(
-        default=0, metadata={"help": "this machine's rank, 0 .. nnodes - 1 (static rendezvous)", "metavar": "R"}
+    node_rank: int = setting(
+        0,
+        "this machine's rank, 0 .. nnodes - 1 (static rendezvous)",
+        metavar="R",
     )
-    master_addr: str | None = field(
-        default=None,
-        metadata={"help": "address of node 0 (static rendezvous; required with several nodes)", "metavar": "ADDR"},
+    master_addr: str | None = setting(
+        None,
+        "address of node 0 (static rendezvous; required with several nodes)",
+        metavar="ADDR",
     )
-    master_port: int | None = field(
-        default=None,
-        metadata={"help": "port on node 0 (static rendezvous; one node: picked for you)", "metavar": "PORT"},
+    master_port: int | None = setting(
+        None,
+        "port on node 0 (static rendezvous; one node: picked for you)",
+        metavar="PORT",
     )
-    rdzv_endpoint: str | None = field(
-        default=None,
-        metadata={
-            "help": "HOST:PORT of the c10d rendezvous, the same on every machine; it numbers the nodes "
-            "([::1]:29400 for IPv6)",
-            "metavar": "HOST:PORT",
-        },
+    rdzv_endpoint: str | None = setting(
+        None,
+        "HOST:PORT of the c10d rendezvous, the same on every machine; it numbers the nodes ([::1]:29400 for IPv6)",
+        metavar="HOST:PORT",
     )
-    rdzv_id: str | None = field(
-        default=None, metadata={"help": "a job id shared by the nodes of one job", "metavar": "ID"}
+    rdzv_id: str | None = setting(
+        None,
+        "a job id shared by the nodes of one job",
+        metavar="ID",
     )
-    rdzv_timeout: int | None = field(
-        default=None,
-        metadata={"help": "seconds a node waits for the others to join (torchrun's default 600)", "metavar": "SECONDS"},
+    rdzv_timeout: int | None = setting(
+        None,
+        "seconds a node waits for the others to join (torchrun's default 600)",
+        metavar="SECONDS",
     )
-    local_addr: str | None = field(
-        default=None,
-        metadata={
-            "help": "the address other machines reach this one at (default: the host name; loopback when the "
-            "whole job is on this machine)",
-            "metavar": "ADDR",
-        },
+    local_addr: str | None = setting(
+        None,
+        "the address other machines reach this one at (default: the host name; loopback when the "
+        "whole job is on this machine)",
+        metavar="ADDR",
     )
-    max_restarts: int = field(
-        default=0, metadata={"help": "restart the workers up to K times after a failure", "metavar": "K"}
+    max_restarts: int = setting(
+        0,
+        "restart the workers up to K times after a failure",
+        metavar="K",
     )
-    monitor_interval: float = field(
-        default=0.1, metadata={"help": "seconds between torchrun's checks of its workers", "metavar": "SECONDS"}
+    monitor_interval: float = setting(
+        0.1,
+        "seconds between torchrun's checks of its workers",
+        metavar="SECONDS",
     )
-    shutdown_timeout: int = field(
-        default=5,
-        metadata={
-            "help": "seconds torchrun gives the other workers to exit after one fails (or the job is interrupted) "
-            "before SIGKILL; torchrun's own default is 30, and a stopped or hung worker only goes with SIGKILL",
-            "metavar": "SECONDS",
-        },
+    shutdown_timeout: int = setting(
+        5,
+        "seconds torchrun gives the other workers to exit after one fails (or the job is interrupted) "
+        "before SIGKILL; torchrun's own default is 30, and a stopped or hung worker only goes with SIGKILL",
+        metavar="SECONDS",
     )
 
     def node_range(self) -> tuple[int, int]:
@@ -121,7 +125,7 @@ class LaunchConfig:
         """True when the job runs on this machine only (``nnodes`` is 1)."""
         return self.node_range()[1] == 1
 
-    def validate(self) -> None:
+    def check_group(self) -> None:
         """Check every field and how they combine.
 
         Raises:

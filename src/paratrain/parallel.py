@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import random
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,9 +36,10 @@ from torch.utils.hooks import RemovableHandle
 from .accumulation import check_steps, cut, micro_sizes, samples_in
 from .checkpoint import load_checkpoint, save_checkpoint
 from .devices import DeviceLike
+from .environment import ClusterEnvironment
 from .errors import ConfigError
 from .precision import Precision, select_precision
-from .prepared import BatchShare, PreparedIndexedLoader, PreparedLoader, Recording, prepare_loader
+from .prepared import BatchLedger, PreparedIndexedLoader, PreparedLoader, Recording, prepare_loader
 from .strategies import ReduceOp, Strategy, select_strategy
 from .tree import flatten
 
@@ -107,8 +109,9 @@ class Parallel:
         if seed is not None:
             seed_everything(seed)
         self._loaders: list[weakref.ref[PreparedLoader | PreparedIndexedLoader]] = []
-        self._micro = Recording()  # the micro-batch accumulate() is feeding
-        self._bound: tuple[BatchShare | None, float] | None = None  # share and part of the latest forward's batch
+        self._ledger = BatchLedger()  # the batches this Parallel's loaders yielded; the share a backward weighs by
+        self._micro = Recording(self._ledger)  # the micro-batch accumulate() is feeding
+        self._warned_unmatched = False
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._handles: list[RemovableHandle] = []
         self._no_sync_depth = 0
@@ -121,6 +124,11 @@ class Parallel:
     def device(self) -> torch.device:
         """Where this process's model and batches live."""
         return self.strategy.device
+
+    @property
+    def environment(self) -> ClusterEnvironment:
+        """Where a launcher put this process: rank, restarts, the job's id (rank 0 of 1 without a launcher)."""
+        return self.strategy.environment
 
     @property
     def rank(self) -> int:
@@ -175,7 +183,7 @@ class Parallel:
             self._handles.append(obj.register_step_pre_hook(self._before_step))
             return obj  # parameters moved in place by .to(), so the optimizer still holds the right ones
         if isinstance(obj, Iterable):
-            loader = prepare_loader(obj, self.strategy)
+            loader = prepare_loader(obj, self.strategy, self._ledger)
             self._loaders.append(weakref.ref(loader))
             return loader
         raise ConfigError(
@@ -188,8 +196,9 @@ class Parallel:
         """A prepared model's forward: the next backward weighs its loss by the share of the batch fed here.
 
         The batch is found among the prepared loaders' latest batches by identity; a batch changed on the way
-        (``model(x.float())``) falls back to the latest batch any prepared loader yielded. Forwards without
-        autograd (evaluation under ``torch.no_grad()``) bind nothing.
+        (``model(x.float())``) falls back to the latest batch any prepared loader yielded (with a warning, once,
+        when several loaders could have fed it). Forwards without autograd (evaluation under
+        ``torch.no_grad()``) bind nothing.
         """
         if not torch.is_grad_enabled():
             return
@@ -197,8 +206,21 @@ class Parallel:
         fed = self._recording_of((args, kwargs), recordings)
         if fed is None and recordings:
             fed = max(recordings, key=lambda r: r.order)
+            live = [r for r in recordings if r.order]
+            if len(live) > 1 and not self._warned_unmatched:
+                self._warned_unmatched = True
+                warnings.warn(
+                    "a prepared model's forward got a batch that no prepared loader yielded unchanged, while "
+                    f"{len(live)} prepared loaders are alive; its loss is weighted by the latest loader's batch. "
+                    "Feed the model the tensors the loader yielded (convert them inside the model), or prepare "
+                    "only the loader you train on",
+                    stacklevel=3,
+                )
         # the values, not the recording: a loader may record its next batch before this forward's backward
-        self._bound = (fed.share, fed.fraction) if fed is not None else None
+        if fed is not None:
+            self._ledger.bind(fed.share, fed.fraction)
+        else:
+            self._ledger.unbind()
 
     def _recordings(self) -> list[Recording]:
         loaders = [loader.recording for ref in self._loaders if (loader := ref()) is not None]
@@ -218,8 +240,7 @@ class Parallel:
         process without accumulation, or when the batch did not come from a prepared loader. With ``16-mixed``
         the weighted loss is also multiplied by the gradient scaler's scale.
         """
-        share, fraction = self._bound or (None, 1.0)
-        self._bound = None
+        share, fraction = self._ledger.take()
         weight = self.strategy.loss_weight(share.local, share.total) if share is not None and share.total else 1.0
         weight *= fraction
         self.strategy.backward(self.precision.scale(loss if weight == 1.0 else loss * weight))

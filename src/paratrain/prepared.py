@@ -5,8 +5,9 @@ data it can move to a device, so each process indexes its share directly; paratr
 one), and any other iterable of batches, such as a user's ``torch.utils.data.DataLoader`` (every process reads
 the same global batch and keeps its slice, so results match one device exactly).
 
-Every batch they yield is recorded with its :class:`BatchShare` (this process's samples and the global batch's),
-which ``Parallel.backward`` turns into the loss weight of the step that batch was fed to.
+Every batch they yield is recorded with its :class:`BatchShare` (this process's samples and the global batch's) in
+the :class:`BatchLedger` of the ``Parallel`` that prepared them; the forward that batch is fed to binds the share
+there, and ``Parallel.backward`` turns it into the loss weight of the step.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from .scatter_gather import batch_size
 from .strategies import Strategy
 from .tree import flatten, unflatten
 
-__all__ = ["BatchShare", "IndexedLoader", "PreparedIndexedLoader", "PreparedLoader", "Recording", "prepare_loader"]
+__all__ = [
+    "BatchLedger",
+    "BatchShare",
+    "IndexedLoader",
+    "PreparedIndexedLoader",
+    "PreparedLoader",
+    "Recording",
+    "prepare_loader",
+]
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,29 @@ class IndexedLoader(Protocol):
     def take(self, indices: torch.Tensor) -> Any: ...
 
 
-_yielded = itertools.count(1)  # orders batches across loaders: which one came last
+class BatchLedger:
+    """One ``Parallel``'s book of batches: which came last, and the share the next backward weighs its loss by."""
+
+    def __init__(self) -> None:
+        self._yielded = 0  # batches recorded so far: orders batches across this Parallel's loaders
+        self._bound: tuple[BatchShare | None, float] | None = None
+
+    def tick(self) -> int:
+        """The number of the batch being recorded now (1 for the first)."""
+        self._yielded += 1
+        return self._yielded
+
+    def bind(self, share: BatchShare | None, fraction: float) -> None:
+        """A forward ran on (``fraction`` of) this process's ``share`` of a global batch: its backward weighs so."""
+        self._bound = (share, fraction)
+
+    def unbind(self) -> None:
+        self._bound = None
+
+    def take(self) -> tuple[BatchShare | None, float]:
+        """What the latest forward bound (and forget it): ``(None, 1.0)`` when nothing did."""
+        bound, self._bound = self._bound, None
+        return bound or (None, 1.0)
 
 
 class Recording:
@@ -66,10 +97,11 @@ class Recording:
     the share's for ``Parallel.accumulate``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: BatchLedger) -> None:
+        self.ledger = ledger
         self.share: BatchShare | None = None
         self.fraction = 1.0
-        self.order = 0  # when the batch was yielded, among every prepared loader's batches
+        self.order = 0  # when the batch was yielded, among every batch of the ledger's loaders
         self._tensors: list[weakref.ref[torch.Tensor]] = []
 
     def record(self, batch: Any, share: BatchShare | None, fraction: float = 1.0) -> None:
@@ -77,7 +109,7 @@ class Recording:
         self._tensors = [weakref.ref(t) for t in leaves if isinstance(t, torch.Tensor)]
         self.share = share
         self.fraction = fraction
-        self.order = next(_yielded)
+        self.order = self.ledger.tick()
 
     def clear(self) -> None:
         """Forget the latest batch (it is no candidate for the next forward any more)."""
@@ -89,20 +121,22 @@ class Recording:
         return any(t is m for t in tensors for m in mine if m is not None)
 
 
-def prepare_loader(loader: Iterable[Any], strategy: Strategy) -> PreparedIndexedLoader | PreparedLoader:
+def prepare_loader(
+    loader: Iterable[Any], strategy: Strategy, ledger: BatchLedger
+) -> PreparedIndexedLoader | PreparedLoader:
     """The prepared form of ``loader``: indexed on the device when it follows :class:`IndexedLoader`."""
     if isinstance(loader, IndexedLoader):
-        return PreparedIndexedLoader(loader, strategy)
-    return PreparedLoader(loader, strategy)
+        return PreparedIndexedLoader(loader, strategy, ledger)
+    return PreparedLoader(loader, strategy, ledger)
 
 
 class PreparedIndexedLoader:
     """An :class:`IndexedLoader` whose data lives on the strategy's device and yields this process's share."""
 
-    def __init__(self, loader: IndexedLoader, strategy: Strategy) -> None:
+    def __init__(self, loader: IndexedLoader, strategy: Strategy, ledger: BatchLedger) -> None:
         self.loader = loader.to(strategy.device)
         self.strategy = strategy
-        self.recording = Recording()
+        self.recording = Recording(ledger)
         self._start = 0
 
     def __len__(self) -> int:
@@ -139,7 +173,7 @@ class PreparedLoader:
     global RNG state lent to every process; the user's loader and sampler are never changed.
     """
 
-    def __init__(self, loader: Iterable[Any], strategy: Strategy) -> None:
+    def __init__(self, loader: Iterable[Any], strategy: Strategy, ledger: BatchLedger) -> None:
         samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
         if strategy.world_size > 1 and any(isinstance(s, DistributedSampler) for s in samplers):
             raise ConfigError(
@@ -149,7 +183,7 @@ class PreparedLoader:
             )
         self.loader = loader
         self.strategy = strategy
-        self.recording = Recording()
+        self.recording = Recording(ledger)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from .buckets import Bucket, assign_buckets
 from .collectives import CollectiveMonitor, no_python_in_work
 from .comm_hooks import CommHook, GradBucket
 from .errors import DistributedError
+from .profiling import phase
 from .tree import flatten
 
 __all__ = ["Reducer"]
@@ -165,7 +166,7 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         seq = self.monitor.launched()
-        with no_python_in_work():
+        with phase(f"paratrain::DistributedDataParallel.all_reduce (bucket {b})"), no_python_in_work():
             handle = self._start(b)
         self._launched.append((handle, seq))
 
@@ -201,7 +202,8 @@ class Reducer:
             self._launch_ready()
             used = self._reduce_used() if self.find_unused else None
             for b, (handle, seq) in enumerate(self._launched):
-                result = self.monitor.wait(handle, seq, f"gradient all-reduce of bucket {b}")
+                with phase(f"paratrain::DistributedDataParallel.wait (bucket {b})"):
+                    result = self.monitor.wait(handle, seq, f"gradient all-reduce of bucket {b}")
                 # None: a plain all-reduce, in place; a hook's future gives the averaged bucket
                 if isinstance(result, torch.Tensor) and result is not self.buffers[b]:
                     self.buffers[b].copy_(result)

@@ -17,16 +17,13 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ..collectives import wedged
-from ..errors import ConfigError, ParatrainError
+from ..errors import CollectiveError, ConfigError, ParatrainError
 from ..version import __version__
-from .bench import add_bench_parser
 from .demo import add_demo_parser
 from .env import add_env_parser
 from .launch import add_launch_parser
-from .plan import add_plan_parser
+from .tools import add_tool_parsers
 from .train import add_train_parser
-from .verify import add_verify_parser
 
 __all__ = ["EXIT_RUNTIME", "EXIT_USAGE", "build_parser", "main"]
 
@@ -50,9 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_parser(commands)
     add_env_parser(commands)
     add_demo_parser(commands)
-    add_verify_parser(commands)
-    add_bench_parser(commands)
-    add_plan_parser(commands)
+    add_tool_parsers(commands)
     return parser
 
 
@@ -61,8 +56,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(raw)
-    # what followed the subcommand, so `train --strategy ddp` can start its workers with the same arguments
-    args.argv = raw[raw.index(args.command) + 1 :] if args.command in raw else []
     try:
         code: int = args.handler(args)
         return code
@@ -71,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except ParatrainError as exc:
         print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
-        if wedged() is not None:
+        if isinstance(exc, CollectiveError):
             # a collective that will never complete: the interpreter's teardown would wait for it (gloo waits
             # its own timeout), keeping the whole job alive; leave now, so the launcher stops the others
             sys.stdout.flush()

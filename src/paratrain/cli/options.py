@@ -4,9 +4,10 @@
     config = from_args(TrainConfig, args)
 
 Each field becomes ``--field-name``. Its type gives the parsing (``int``, ``float``, ``str``; ``X | None`` is
-optional; ``bool`` a switch, ``bool | None`` a ``--x/--no-x`` pair); its metadata gives ``help`` and any of
-argparse's ``choices``, ``metavar``, ``nargs`` and ``const``; a field of another type gets its parser from the
-caller. Ranges are not checked here: the dataclass's ``validate()`` is the one place for them.
+optional; ``bool`` a switch, ``bool | None`` a ``--x/--no-x`` pair; ``tuple[float, float]`` two numbers with a
+comma; ``list[str]`` words, with ``nargs``); its metadata gives ``help`` and any of argparse's ``choices``,
+``metavar``, ``nargs`` and ``const``; a field of another type gets its parser from the caller. Ranges are not
+checked here: each field's check (:meth:`paratrain.settings.Settings.check`) is the one place for them.
 """
 
 from __future__ import annotations
@@ -21,15 +22,12 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["add_options", "flag_of", "from_args"]
+from ..settings import flag_of
+
+__all__ = ["add_options", "from_args"]
 
 T = TypeVar("T")
 _PASSED_THROUGH = ("choices", "metavar", "nargs", "const")
-
-
-def flag_of(name: str) -> str:
-    """The flag of a field: ``batch_size`` -> ``--batch-size``."""
-    return "--" + name.replace("_", "-")
 
 
 def _int(text: str) -> int:
@@ -50,6 +48,38 @@ def _float(text: str) -> float:
 
 
 _PARSERS: dict[type, Callable[[str], Any]] = {int: _int, float: _float, str: str}
+
+
+def _tuple_parser(kind: Any) -> Callable[[str], Any] | None:
+    """``tuple[float, float]`` -> a parser of ``0.9,0.999``; None for anything else."""
+    if typing.get_origin(kind) is not tuple:
+        return None
+    items = typing.get_args(kind)
+    parsers = [_PARSERS.get(item) for item in items]
+    if not items or Ellipsis in items or any(p is None for p in parsers):
+        return None
+    count = {2: "two", 3: "three"}.get(len(items), str(len(items)))
+    example = {2: "0.9,0.999"}.get(len(items), ",".join("1" for _ in items))
+
+    def parse(text: str) -> tuple[Any, ...]:
+        parts = text.split(",")
+        try:
+            if len(parts) != len(parsers):
+                raise argparse.ArgumentTypeError(text)
+            return tuple(p(part) for p, part in zip(parsers, parts, strict=True))  # type: ignore[misc]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"expected {count} numbers separated by a comma, such as {example}; found {text!r}"
+            ) from None
+
+    return parse
+
+
+def _parser_of(kind: Any) -> Callable[[str], Any] | None:
+    if typing.get_origin(kind) is list:  # words after the flag (nargs in the metadata): each parsed as the item
+        (item,) = typing.get_args(kind)
+        return _PARSERS.get(item)
+    return _PARSERS.get(kind) or _tuple_parser(kind)
 
 
 def _fields(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Any]]:
@@ -89,7 +119,7 @@ def add_options(
             # a switch that is on by default, or has no default, needs its --no- form too
             options["action"] = argparse.BooleanOptionalAction if optional or default else "store_true"
         else:
-            parse = (parsers or {}).get(f.name) or _PARSERS.get(kind)
+            parse = (parsers or {}).get(f.name) or _parser_of(kind)
             if parse is None:
                 raise TypeError(f"{cls.__name__}.{f.name}: no parser for {hint}; pass one in parsers=")
             options["type"] = parse

@@ -21,9 +21,10 @@ from collections.abc import Sequence
 import torch
 
 from ..devices import DeviceLike, parse_device_list, parse_devices_arg, visible_gpus
+from ..environment import ClusterEnvironment
 from ..errors import ConfigError
 from .base import ReduceOp, Strategy
-from .ddp import DDP_DEVICES, DistributedStrategy, launched_by_torchrun
+from .ddp import DDP_DEVICES, DistributedStrategy
 from .dp import DataParallelStrategy
 from .single import SingleDevice
 
@@ -34,7 +35,7 @@ __all__ = [
     "ReduceOp",
     "SingleDevice",
     "Strategy",
-    "launched_by_torchrun",
+    "check_ddp_devices",
     "resolve_devices",
     "resolve_strategy",
     "select_strategy",
@@ -58,8 +59,10 @@ def resolve_devices(devices: Devices) -> list[torch.device]:
     return parsed
 
 
-def resolve_strategy(name: str, devices: Devices) -> str:
+def resolve_strategy(name: str, devices: Devices, environment: ClusterEnvironment | None = None) -> str:
     """The strategy ``name`` stands for on ``devices``: ``auto`` resolved by the rule in the module docstring.
+
+    ``environment``: where a launcher put this process (default: read from the launcher's variables).
 
     Raises:
         ConfigError: an unknown name.
@@ -68,7 +71,8 @@ def resolve_strategy(name: str, devices: Devices) -> str:
         raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}")
     if name != "auto":
         return name
-    if launched_by_torchrun():
+    env = environment if environment is not None else ClusterEnvironment.detect()
+    if env.launched:
         return "ddp"
     if _means_every_gpu(devices) and len(visible_gpus()) > 1:
         return "ddp"
@@ -79,32 +83,53 @@ def _means_every_gpu(devices: Devices) -> bool:
     return devices is None or (isinstance(devices, str) and devices.strip() in ("auto", "cuda"))
 
 
-def select_strategy(name: str = "auto", devices: Devices = "auto", *, timeout: float | None = None) -> Strategy:
+def check_ddp_devices(devices: Devices, flag: str = "devices") -> str:
+    """The device type ddp's processes use (``auto``, ``cpu`` or ``cuda``): the one rule, for every caller.
+
+    Raises:
+        ConfigError: a list of devices (each ddp process uses one: its local rank's GPU, or the CPU).
+    """
+    device_type = devices.strip() if isinstance(devices, str) else None
+    if device_type not in DDP_DEVICES:
+        cli = flag.startswith("--")  # the command line's words, or the Python API's
+        strategy, dp = ("--strategy ddp", "--strategy dp") if cli else ("strategy 'ddp'", "strategy='dp'")
+        raise ConfigError(
+            f"{strategy} runs one process per device and takes {flag} {', '.join(DDP_DEVICES)} (each process uses "
+            f"its local rank's GPU, or the CPU); found {devices!r}. For a list of devices in one process use {dp}; "
+            f"for N processes, start N (--nproc-per-node N)"
+        )
+    return device_type
+
+
+def select_strategy(
+    name: str = "auto",
+    devices: Devices = "auto",
+    *,
+    timeout: float | None = None,
+    environment: ClusterEnvironment | None = None,
+) -> Strategy:
     """The strategy called ``name`` on ``devices`` (``auto``: see :func:`resolve_strategy`).
 
     ``ddp`` takes ``devices`` ``auto`` (this process's GPU, or the CPU), ``cpu`` or ``cuda``. ``timeout`` (seconds
     a collective may wait for the other ranks) applies to ``ddp``; with ``auto`` it applies if ``auto`` picks
-    ``ddp``, and naming ``single`` or ``dp`` with a timeout is an error.
+    ``ddp``, and naming ``single`` or ``dp`` with a timeout is an error. ``environment`` is where a launcher put
+    this process (default: read from the launcher's variables).
 
     Raises:
         ConfigError: an unknown name, devices the strategy cannot use, a ``timeout`` for a strategy without
             collectives, or ``auto`` choosing ``ddp`` in a process that no launcher started.
     """
-    resolved = resolve_strategy(name, devices)
+    env = environment if environment is not None else ClusterEnvironment.detect()
+    resolved = resolve_strategy(name, devices, env)
     if resolved == "ddp":
-        if name == "auto" and not launched_by_torchrun():
+        if name == "auto" and not env.launched:
             raise ConfigError(
                 f"strategy 'auto' chose ddp because {len(visible_gpus())} GPUs are visible, and ddp runs one "
                 f"process per GPU: start this script with `paratrain launch script.py` (or torchrun), or pass "
                 f"strategy='dp' to use them all from this process, or devices='cuda:0' for one"
             )
-        device_type = devices.strip() if isinstance(devices, str) else None
-        if device_type not in DDP_DEVICES:
-            raise ConfigError(
-                f"strategy 'ddp' takes devices {', '.join(DDP_DEVICES)} (each process uses one device: its local "
-                f"rank's GPU, or the CPU); found {devices!r}. For a list of devices in one process use 'dp'"
-            )
-        return DistributedStrategy(device_type, **({} if timeout is None else {"timeout": timeout}))
+        device_type = check_ddp_devices(devices)
+        return DistributedStrategy(device_type, environment=env, **({} if timeout is None else {"timeout": timeout}))
     if timeout is not None and name != "auto":
         raise ConfigError(
             f"timeout is for strategy 'ddp' (how long a collective waits for the other processes); strategy "

@@ -7,13 +7,17 @@ strategies run in one process, so their collectives are identities.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import ClassVar, Literal
 
 import torch
 from torch import nn
+
+from ..environment import ClusterEnvironment
+from ..errors import ConfigError
 
 __all__ = ["ReduceOp", "Strategy"]
 
@@ -24,6 +28,11 @@ class Strategy(ABC):
     """How a training loop runs: one device, several in one process, or several processes."""
 
     name: ClassVar[str]
+
+    def __init__(self) -> None:
+        # what wrap_model returned -> the user's model it wraps (the same object when nothing is put around it)
+        self._wrapped: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+        self.environment = ClusterEnvironment.detect()  # where a launcher put this process (rank 0 of 1 without)
 
     @property
     @abstractmethod
@@ -59,14 +68,27 @@ class Strategy(ABC):
         ``clean`` is False when leaving because of an error: nothing may then wait for other processes.
         """
 
-    @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Move ``model`` to :attr:`device` and wrap it for this strategy."""
+        """Move ``model`` to :attr:`device` and wrap it for this strategy; the strategy remembers what it wrapped."""
+        wrapped = self._wrap(model)
+        self._wrapped[wrapped] = model
+        return wrapped
+
+    @abstractmethod
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """What :meth:`wrap_model` puts around ``model`` (``model`` itself, moved, when nothing is needed)."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's model inside whatever :meth:`wrap_model` put around it."""
-        inner = getattr(model, "module", None)
-        return inner if isinstance(inner, nn.Module) else model
+        """The user's model inside what :meth:`wrap_model` put around it; any other model as it is.
+
+        Known from what this strategy wrapped, never guessed from attribute names: a user's model with a
+        submodule called ``module`` is returned whole.
+        """
+        return self._wrapped.get(model, model)
+
+    def prepared(self, model: nn.Module) -> bool:
+        """True for a model :meth:`wrap_model` returned (or the user's model inside it)."""
+        return model in self._wrapped or any(model is inner for inner in self._wrapped.values())
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:
         """This process's part of a global batch of sample indices (all of it in one process)."""
@@ -108,9 +130,21 @@ class Strategy(ABC):
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        """Skip gradient synchronisation inside the block (gradient accumulation)."""
-        with nullcontext():
-            yield
+        """Skip gradient synchronisation inside the block (gradient accumulation).
+
+        Raises:
+            ConfigError: ``model`` is not one this strategy prepared (there would be nothing to skip, silently).
+        """
+        self.check_prepared(model, "no_sync()")
+        yield
+
+    def check_prepared(self, model: nn.Module, what: str) -> None:
+        """Raise ConfigError when ``model`` is not one this strategy prepared."""
+        if not self.prepared(model):
+            raise ConfigError(
+                f"{what} got a {type(model).__name__} that this Parallel did not prepare, so it cannot control "
+                f"its gradient synchronisation; pass the model that par.prepare(model) returned"
+            )
 
     def world_devices(self) -> list[str]:
         """Every device of every process, in rank order (this process's devices in one process)."""

@@ -7,99 +7,122 @@ slices are unequal. On GPUs each process takes ``cuda:LOCAL_RANK`` and nccl; on 
 
 from __future__ import annotations
 
-import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import DEFAULT_TIMEOUT_S, wedged
+from ..collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, group_sequence
 from ..distributed import DistributedDataParallel
+from ..environment import ClusterEnvironment
 from ..errors import ConfigError
-from ..launch import restart_count
 from ..scatter_gather import shard
 from .base import ReduceOp, Strategy
 
-__all__ = ["DDP_DEVICES", "DistributedStrategy", "launched_by_torchrun"]
+__all__ = ["DDP_DEVICES", "DistributedStrategy"]
 
 DDP_DEVICES = ("auto", "cpu", "cuda")  # each process uses one device: its local rank's GPU, or the CPU
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def launched_by_torchrun() -> bool:
-    """True in a worker process started by torchrun (the ecosystem's variables are set)."""
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def _init_process_group(backend: str, timeout: timedelta) -> None:
-    """``init_process_group`` from torchrun's variables; after a restart, under a prefix of its own.
+def _init_process_group(env: ClusterEnvironment, backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` from the launcher's environment; after a restart, under a prefix of its own.
 
     The launcher's store outlives the workers, and the dead workers' keys (gloo's addresses) are still in it: a
     restarted worker reading them fails to connect or waits forever. Keys under a prefix per attempt are fresh.
     """
-    restart = restart_count()
-    if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not env.restart_count or not env.agent_store or env.master_addr is None or env.master_port is None:
         dist.init_process_group(backend, timeout=timeout)
         return
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    client = dist.TCPStore(address, port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
-    store = dist.PrefixStore(f"paratrain/attempt-{restart}", client)  # type: ignore[attr-defined]
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
+    store = dist.PrefixStore(f"paratrain/attempt-{env.restart_count}", client)  # type: ignore[attr-defined]
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 class DistributedStrategy(Strategy):
-    """Data parallel across processes: this process is one rank of ``WORLD_SIZE``."""
+    """Data parallel across processes: this process is one rank of the launcher's world.
+
+    Args:
+        device_type: ``auto`` (this process's GPU when CUDA is available, else the CPU), ``cpu`` or ``cuda``.
+        timeout: seconds any collective (the gradients', and the loop's own metrics) may wait for the others.
+        environment: where this process sits in the job; default: what the launcher set
+            (:meth:`~paratrain.environment.ClusterEnvironment.detect`).
+    """
 
     name = "ddp"
 
-    def __init__(self, device_type: str = "auto", *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        device_type: str = "auto",
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        environment: ClusterEnvironment | None = None,
+    ) -> None:
+        super().__init__()
         if device_type not in DDP_DEVICES:
             raise ConfigError(f"ddp runs on 'cpu' or 'cuda' (one GPU per process); found {device_type!r}")
         self._device_type = device_type
         self._timeout = timeout
+        self.environment = environment if environment is not None else ClusterEnvironment.detect()
         self._device = torch.device("cpu")
         self._owns_group = False
-        self._wrapped: list[DistributedDataParallel] = []
+        self._ddp: list[DistributedDataParallel] = []
+        self._monitor: CollectiveMonitor | None = None
 
     def setup(self) -> None:
         if not dist.is_initialized():
-            if not launched_by_torchrun():
+            env = self.environment
+            if not env.launched:
                 raise ConfigError(
                     "strategy 'ddp' runs one process per device, started by a launcher: "
                     "`paratrain launch --nproc-per-node N script.py` (or torchrun), or "
                     "`paratrain train --strategy ddp --nproc-per-node N`"
                 )
-            local_rank = int(os.environ["LOCAL_RANK"])
             use_cuda = self._device_type == "cuda" or (self._device_type == "auto" and torch.cuda.is_available())
             if use_cuda:
-                if local_rank >= torch.cuda.device_count():
+                if env.local_rank >= torch.cuda.device_count():
                     raise ConfigError(
-                        f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; start at most "
-                        f"that many processes per node, or pass --devices cpu"
+                        f"local rank {env.local_rank} has no GPU: {torch.cuda.device_count()} visible; start at "
+                        f"most that many processes per node, or pass --devices cpu"
                     )
-                self._device = torch.device("cuda", local_rank)
+                self._device = torch.device("cuda", env.local_rank)
                 torch.cuda.set_device(self._device)
             backend = "nccl" if use_cuda else "gloo"
-            _init_process_group(backend, timedelta(seconds=max(self._timeout, 60.0)))
+            _init_process_group(env, backend, timedelta(seconds=max(self._timeout, 60.0)))
             self._owns_group = True
         elif dist.get_backend() == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
+        group = dist.group.WORLD
+        self._monitor = CollectiveMonitor(group, self._timeout, namespace=f"strategy-{group_sequence(group)}")
+        # its thread stops when the strategy is collected (a Parallel never closed), or at interpreter exit
+        self._finalizer = weakref.finalize(self, self._monitor.close)
+
+    @property
+    def failure(self) -> str | None:
+        """Why a collective of this strategy (or of a model it wrapped) timed out or failed, if one did."""
+        monitors = [w.monitor for w in self._ddp] + ([self._monitor] if self._monitor is not None else [])
+        return next((m.failure for m in monitors if m.failure is not None), None)
 
     def teardown(self, clean: bool = True) -> None:
-        for wrapped in self._wrapped:
+        failure = self.failure
+        for wrapped in self._ddp:
             wrapped.close()
-        self._wrapped.clear()
+        self._ddp.clear()
         # a group holding a collective that will never complete cannot be destroyed: gloo would wait its own
         # timeout for it; the process is about to end anyway
-        if self._owns_group and dist.is_initialized() and wedged() is None:
-            if clean:
-                # rank 0 hosts the store: nobody leaves while another rank may still talk to it
-                dist.barrier()
+        destroy = self._owns_group and dist.is_initialized() and failure is None
+        if destroy and clean:
+            self.barrier()  # rank 0 hosts the store: nobody leaves while another rank may still talk to it
+        if self._monitor is not None:
+            self._finalizer()  # monitor.close(): its thread writes to the store, stopped before the group goes
+            self._monitor = None
+        if destroy:
             dist.destroy_process_group()
         self._owns_group = False
 
@@ -127,11 +150,11 @@ class DistributedStrategy(Strategy):
     def describe(self) -> str:
         return f"ddp, {self.world_size} processes, on {self._device.type}"
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def _wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self._device)
         device_ids = [self._device] if self._device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids, timeout=self._timeout)
-        self._wrapped.append(wrapped)
+        self._ddp.append(wrapped)
         return wrapped
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:
@@ -141,9 +164,22 @@ class DistributedStrategy(Strategy):
         # DDP divides the summed gradients by world_size; each rank's mean loss must count as its share
         return local_samples * self.world_size / global_samples
 
+    # -- collectives, each watched by the strategy's monitor: a rank that never arrives is named ---------------
+
+    def _run(self, what: str, launch: Any) -> None:
+        monitor = self._monitor
+        if monitor is None:
+            raise ConfigError("the ddp strategy's collectives need setup() first (Parallel calls it)")
+        seq = monitor.launched()
+        monitor.wait(launch(), seq, what)
+
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         out = tensor.to(self._device, copy=True)  # nccl takes no CPU tensors
-        dist.all_reduce(out, op=_OPS["sum" if op == "mean" else op])
+        reduce_op = _OPS["sum" if op == "mean" else op]
+        self._run(
+            f"all_reduce ({op}) of a {_described(out)}",
+            lambda: dist.all_reduce(out, op=reduce_op, async_op=True),
+        )
         out = out / self.world_size if op == "mean" else out
         return out.to(tensor.device)
 
@@ -154,26 +190,35 @@ class DistributedStrategy(Strategy):
         flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
         length = torch.tensor([flat.shape[0]], device=self._device)
         lengths = [torch.zeros_like(length) for _ in range(self.world_size)]
-        dist.all_gather(lengths, length)
+        self._run("all_gather of the parts' lengths", lambda: dist.all_gather(lengths, length, async_op=True))
         counts = [int(n) for n in lengths]
         padded = torch.zeros(max(counts), *flat.shape[1:], dtype=flat.dtype, device=self._device)
         padded[: flat.shape[0]] = flat
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(parts, padded)
+        self._run(f"all_gather of a {_described(padded)}", lambda: dist.all_gather(parts, padded, async_op=True))
         return [part[:n].to(tensor.device) for part, n in zip(parts, counts, strict=True)]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         out = tensor.to(self._device, copy=True)  # nccl takes no CPU tensors
-        dist.broadcast(out, src=src)
+        self._run(
+            f"broadcast from rank {src} of a {_described(out)}", lambda: dist.broadcast(out, src=src, async_op=True)
+        )
         return out.to(tensor.device)
 
     def barrier(self) -> None:
-        dist.barrier()
+        self._run("barrier", lambda: dist.barrier(async_op=True))
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        if isinstance(model, DistributedDataParallel):
-            with model.no_sync():
-                yield
-        else:
+        self.check_prepared(model, "no_sync()")
+        wrapper = next((w for w in self._ddp if w is model or w.module is model), None)
+        if wrapper is None:
             yield
+            return
+        with wrapper.no_sync():
+            yield
+
+
+def _described(tensor: torch.Tensor) -> str:
+    """``float32 tensor of 4 elements``: what a collective carries, for the errors that name it."""
+    return f"{str(tensor.dtype).removeprefix('torch.')} tensor of {tensor.numel()} element{'s' * (tensor.numel() != 1)}"

@@ -19,8 +19,9 @@ class DataParallelStrategy(Strategy):
     name = "dp"
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
+        super().__init__()
         self._devices = list(devices)
-        self._wrapped: list[DataParallel] = []
+        self._replicated: list[DataParallel] = []
 
     @property
     def device(self) -> torch.device:
@@ -30,12 +31,12 @@ class DataParallelStrategy(Strategy):
     def devices(self) -> list[torch.device]:
         return list(self._devices)
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def _wrap(self, model: nn.Module) -> nn.Module:
         wrapped = DataParallel(model.to(self._devices[0]), device_ids=self._devices)
-        self._wrapped.append(wrapped)
+        self._replicated.append(wrapped)
         return wrapped
 
     def teardown(self, clean: bool = True) -> None:
-        for wrapped in self._wrapped:
+        for wrapped in self._replicated:
             wrapped.close()
-        self._wrapped.clear()
+        self._replicated.clear()

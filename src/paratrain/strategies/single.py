@@ -16,6 +16,7 @@ class SingleDevice(Strategy):
     name = "single"
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self._device = device
 
     @property
@@ -26,5 +27,5 @@ class SingleDevice(Strategy):
     def devices(self) -> list[torch.device]:
         return [self._device]
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def _wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self._device)

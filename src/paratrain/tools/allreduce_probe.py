@@ -19,7 +19,6 @@ the difference is the synchronisation cost of a step, ``"sync": {"2": seconds, .
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ..environment import ClusterEnvironment
 
 __all__ = ["DEFAULT_SIZES", "main", "measure", "measure_sync", "work_unit"]
 
@@ -119,7 +120,8 @@ def main(argv: list[str]) -> int:
         rest = rest[2:]
     sizes = tuple(int(s) for s in rest) or DEFAULT_SIZES
     use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    local_rank = ClusterEnvironment.detect().local_rank
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo")

@@ -26,10 +26,11 @@ import torch
 
 from ..errors import ConfigError
 from ..parallel import Parallel
+from ..settings import setting
 from .configs import RunConfig, parse_configs, unavailable_reason
 from .report import format_markdown, format_table, write_json, write_text
 from .runner import ConfigRunError, run_config
-from .settings import RunSettings, setting, settings_from
+from .settings import RunSettings, TimingSettings, settings_from
 from .workload import Workload, build_optimizer, endless
 
 __all__ = ["PHASES", "BenchConfig", "BenchReport", "ConfigTiming", "bench"]
@@ -38,12 +39,9 @@ PHASES = ("data", "forward", "backward", "optimizer")
 
 
 @dataclass
-class BenchConfig(RunSettings):
+class BenchConfig(TimingSettings, RunSettings):
     """Settings of ``paratrain bench``."""
 
-    warmup: int = setting(3, "untimed steps before each timed run")
-    steps: int = setting(20, "timed steps per run")
-    repeats: int = setting(3, "runs of each configuration, round robin; the report takes medians")
     markdown_out: str | None = setting(
         None, "write the table as Markdown (default: beside --report-out, as .md)", metavar="FILE.md"
     )
@@ -54,24 +52,12 @@ class BenchConfig(RunSettings):
         metavar="FILE.png",
     )
 
-    def validate_settings(self) -> None:
-        super().validate_settings()
-        checks = [
-            (self.warmup >= 0, f"--warmup must be 0 or more; found {self.warmup}"),
-            (self.steps >= 1, f"--steps must be at least 1; found {self.steps}"),
-            (self.repeats >= 1, f"--repeats must be at least 1; found {self.repeats}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+    def check_group(self) -> None:
         if self.plot_out is not None and not plotting_available():
             raise ConfigError(
                 f"--plot-out {self.plot_out} needs matplotlib, which is not installed; pip install "
                 "'paratrain[plot]' (or matplotlib), or drop --plot-out"
             )
-
-
-SETTINGS = BenchConfig
 
 
 def plotting_available() -> bool:
@@ -116,6 +102,8 @@ def run_in(par: Parallel, settings: BenchConfig, extra: dict[str, Any]) -> dict[
             spent["forward"] += t2 - t1
             spent["backward"] += time.perf_counter() - t2
         t3 = time.perf_counter()
+        if settings.clip_grad_norm is not None:
+            par.clip_grad_norm_(model, settings.clip_grad_norm)
         par.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         sync()
@@ -152,6 +140,7 @@ class BenchReport:
     settings: dict[str, Any]
     timings: list[ConfigTiming]
     notes: list[str]
+    written: list[str] = field(default_factory=list)  # the files written: JSON, Markdown, PNG
 
     @property
     def ok(self) -> bool:
@@ -255,7 +244,7 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
                 if run.word in errors:
                     continue
                 try:
-                    runs[run.word].append(run_config("bench", config, run, Path(tmp), {})[0])
+                    runs[run.word].append(run_config(run_in, config, run, Path(tmp), {})[0])
                 except ConfigRunError as exc:
                     errors[run.word] = str(exc)
     timings = []
@@ -300,9 +289,19 @@ def _write_outputs(report: BenchReport, config: BenchConfig) -> None:
             report.notes.append("no plot: matplotlib is not installed (pip install 'paratrain[plot]')")
     if beside is not None:
         write_json(report.as_dict(), beside)
+        report.written.append(str(beside))
     if markdown:
         write_text(report.markdown(), markdown)
+        report.written.append(markdown)
     if plot:
         from .plot import plot_scaling  # matplotlib is an optional extra
 
-        plot_scaling(report, plot)
+        measured = [t for t in report.timings if t.status == "OK"]
+        single = next((t.samples_per_second for t in measured if t.strategy == "single"), None)
+        series = {
+            strategy: [(t.devices, t.samples_per_second, t.efficiency) for t in measured if t.strategy == strategy]
+            for strategy in ("dp", "ddp")
+        }
+        title = f"paratrain bench: {config.model}, global batch {config.batch_size}"
+        plot_scaling(series, single, title, plot)
+        report.written.append(plot)

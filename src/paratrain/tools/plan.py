@@ -27,6 +27,7 @@ import torch
 from ..buckets import FIRST_BUCKET_BYTES, assign_buckets
 from ..devices import visible_gpus
 from ..errors import ConfigError
+from ..settings import at_least, optional, positive, setting
 from .configs import parse_configs
 from .plan_measure import (
     DDP_BUCKET_CAP_BYTES,
@@ -46,74 +47,65 @@ from .plan_model import (
     scaling_rows,
     simulate_step,
 )
-from .plan_validate import VALIDATE_UP_TO, validate_plan
+from .plan_validate import VALIDATE_UP_TO, validate_plan, validation_configs
 from .report import format_table, write_json
-from .settings import RunSettings, setting, settings_from
+from .settings import RunSettings, TimingSettings, settings_from
 from .workload import Workload
 
 __all__ = ["PlanConfig", "PlanReport", "plan"]
 
 
 @dataclass
-class PlanConfig(RunSettings):
+class PlanConfig(TimingSettings, RunSettings):
     """Settings of ``paratrain plan``."""
 
-    max_world_size: int = setting(8, "predict world sizes 1..N")
-    min_efficiency: float = setting(0.7, "recommend the world size past which efficiency falls below this")
+    max_world_size: int = setting(8, "predict world sizes 1..N", check=at_least(1))
+    min_efficiency: float = setting(
+        0.7,
+        "recommend the world size past which efficiency falls below this",
+        check=lambda v: None if 0 < v <= 1 else "in (0, 1]",
+    )
     per_node: int | None = setting(
         None,
         "devices (processes) per machine; larger world sizes span machines over the link (default: this "
         "machine's GPUs, or every world size on one machine on the CPU)",
+        check=optional(at_least(1)),
         metavar="N",
     )
     link_bandwidth: float | None = setting(
-        None, "bandwidth between machines in GB/s, for world sizes above --per-node", metavar="GB/S"
+        None,
+        "bandwidth between machines in GB/s, for world sizes above --per-node",
+        check=optional(positive("GB/s")),
+        metavar="GB/S",
     )
-    link_latency: float | None = setting(None, "latency of an all-reduce between machines, seconds", metavar="SECONDS")
+    link_latency: float | None = setting(
+        None,
+        "latency of an all-reduce between machines, seconds",
+        check=optional(at_least(0)),
+        metavar="SECONDS",
+    )
     link_file: str | None = setting(
         None,
         "all-reduce timings across machines written by `paratrain launch ... -m paratrain.tools.allreduce_probe "
         "FILE`, instead of --link-bandwidth/--link-latency",
         metavar="FILE.json",
     )
-    warmup: int = setting(3, "untimed steps before each measurement")
-    steps: int = setting(10, "timed steps per measurement (medians)")
-    # named as its flag --validate; so the checks of PlanConfig are validate_settings() (RunSettings's validate()
-    # is an alias of it for the other commands' settings)
-    validate: bool = setting(  # type: ignore[assignment]
-        False, "also run bench on what this machine can run and print the prediction error"
+    validate: bool = setting(False, "also run bench on what this machine can run and print the prediction error")
+    max_error: float = setting(
+        0.15, "--validate: the largest prediction error that passes (0.15 = 15%)", check=positive()
     )
-    repeats: int = setting(3, "--validate: round-robin repeats of bench")
-    max_error: float = setting(0.15, "--validate: the largest prediction error that passes (0.15 = 15%)")
 
-    def validate_settings(self) -> None:
-        super().validate_settings()
+    def check_group(self) -> None:
         if self.precision != "32" or self.accumulate != 1:
             raise ConfigError(
                 f"plan models float32 steps of one micro-batch; found --precision {self.precision} --accumulate "
                 f"{self.accumulate}. Drop those two flags for plan (bench and verify take them)"
             )
-        checks = [
-            (self.max_world_size >= 1, f"--max-world-size must be at least 1; found {self.max_world_size}"),
-            (0 < self.min_efficiency <= 1, f"--min-efficiency must be in (0, 1]; found {self.min_efficiency}"),
-            (self.per_node is None or self.per_node >= 1, f"--per-node must be at least 1; found {self.per_node}"),
-            (self.warmup >= 0, f"--warmup must be 0 or more; found {self.warmup}"),
-            (self.steps >= 1, f"--steps must be at least 1; found {self.steps}"),
-            (self.repeats >= 1, f"--repeats must be at least 1; found {self.repeats}"),
-            (self.max_error > 0, f"--max-error must be positive; found {self.max_error}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
         given = [self.link_bandwidth is not None, self.link_latency is not None]
         if any(given) and not all(given):
             raise ConfigError("--link-bandwidth and --link-latency go together: give both (or --link-file)")
         if all(given) and self.link_file is not None:
             raise ConfigError("give either --link-bandwidth/--link-latency or --link-file, not both")
-        if self.link_bandwidth is not None and not self.link_bandwidth > 0:
-            raise ConfigError(f"--link-bandwidth must be positive GB/s; found {self.link_bandwidth}")
-        if self.link_latency is not None and not self.link_latency >= 0:
-            raise ConfigError(f"--link-latency must be 0 or more seconds; found {self.link_latency}")
         for config in parse_configs(self.configs) if self.configs is not None else []:
             if config.strategy == "dp":
                 raise ConfigError(
@@ -133,6 +125,7 @@ class PlanReport:
     assumptions: list[str]
     inputs: dict[str, Any]
     validation: list[dict[str, Any]] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)  # the files written (the JSON report)
 
     @property
     def ok(self) -> bool:
@@ -263,7 +256,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         else:
             probe = min(local_max, len(gpus) if gpus else VALIDATE_UP_TO)
             bursts = {} if gpus else bursts_for(profiles, shapes, probe)
-            measured = measure_link(probe, _probe_sizes(buckets), bursts, config.timeout)
+            measured = measure_link(probe, _probe_sizes(buckets), bursts, config.run_timeout)
             link_samples = measured["samples"]
             for n in range(2, probe + 1):
                 local_links[n] = fit_link([(int(m), int(b), float(t)) for m, b, t in link_samples if int(m) == n])
@@ -322,9 +315,15 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     }
     report = PlanReport(asdict(config), rows, recommended, assumptions, inputs)
     if config.validate:
-        report.validation = validate_plan(config, report)
+        report.validation = validate_plan(
+            config,
+            validation_configs(config.configs, config.max_world_size),
+            {row.world_size: row.step_seconds for row in report.rows},
+            config.max_error,
+        )
     if config.report_out:
         write_json(report.as_dict(), config.report_out)
+        report.written.append(config.report_out)
     return report
 
 

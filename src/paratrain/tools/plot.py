@@ -5,39 +5,40 @@ matplotlib is an optional extra (``pip install 'paratrain[plot]'``); only this m
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..files import atomic_writer
 
-if TYPE_CHECKING:
-    from .bench import BenchReport
+__all__ = ["Point", "plot_scaling"]
 
-__all__ = ["plot_scaling"]
+Point = tuple[int, float, float]  # devices, samples/s, efficiency
 
 
-def plot_scaling(report: BenchReport, path: str | Path) -> Path:
-    """Two panels: samples/s and efficiency per strategy against the number of devices; ideal lines dashed."""
+def plot_scaling(series: Mapping[str, Sequence[Point]], single: float | None, title: str, path: str | Path) -> Path:
+    """Two panels: samples/s and efficiency per strategy against the number of devices; ideal lines dashed.
+
+    ``series`` maps each strategy to its measured points; ``single`` is one device's samples/s (None when not
+    measured), drawn as every series' first point and as the base of the ideal lines.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    measured = [t for t in report.timings if t.status == "OK"]
-    base = next((t for t in measured if t.strategy == "single"), None)
     fig, (throughput, efficiency) = plt.subplots(1, 2, figsize=(10, 4))
-    most = max((t.devices for t in measured), default=1)
-    for strategy in ("dp", "ddp"):
-        points = sorted((t.devices, t.samples_per_second, t.efficiency) for t in measured if t.strategy == strategy)
-        if base is not None:
-            points.insert(0, (1, base.samples_per_second, 1.0))
-        if len(points) > (1 if base is not None else 0):
+    most = max((p[0] for points in series.values() for p in points), default=1)
+    for strategy, measured in series.items():
+        points = sorted(measured)
+        if single is not None:
+            points.insert(0, (1, single, 1.0))
+        if len(points) > (1 if single is not None else 0):
             xs = [p[0] for p in points]
             throughput.plot(xs, [p[1] for p in points], marker="o", label=strategy)
             efficiency.plot(xs, [p[2] for p in points], marker="o", label=strategy)
-    if base is not None:
+    if single is not None:
         ideal = list(range(1, most + 1))
-        throughput.plot(ideal, [base.samples_per_second * n for n in ideal], "k--", label="ideal")
+        throughput.plot(ideal, [single * n for n in ideal], "k--", label="ideal")
         efficiency.plot(ideal, [1.0] * len(ideal), "k--", label="ideal")
     throughput.set(xlabel="devices", ylabel="samples/s", title="throughput")
     efficiency.set(xlabel="devices", ylabel="speed-up / devices", title="scaling efficiency", ylim=(0, 1.1))
@@ -45,8 +46,7 @@ def plot_scaling(report: BenchReport, path: str | Path) -> Path:
         axes.set_xticks(range(1, most + 1))
         axes.grid(alpha=0.3)
         axes.legend()
-    settings = report.settings
-    fig.suptitle(f"paratrain bench: {settings['model']}, global batch {settings['batch_size']}")
+    fig.suptitle(title)
     fig.tight_layout()
     target = Path(path)
     with atomic_writer(target, "wb") as file:

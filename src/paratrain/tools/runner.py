@@ -1,18 +1,18 @@
 """Run one configuration of ``verify`` or ``bench``: in this process (single, dp) or in launched processes (ddp).
 
-    results = run_config("verify", settings, parse_config("ddp:2"), workdir, extra)   # one dict per rank
+    results = run_config(run_in, settings, parse_config("ddp:2"), workdir, extra)   # one dict per rank
 
-Every configuration runs the same function, ``run_in(par, settings, extra)`` of the mode's module, under
-``Parallel``: here for single and dp, and for ``ddp:N`` in N processes that :func:`paratrain.launch.launch`
-starts running :mod:`paratrain.tools.worker`. Each rank saves its result to a file this process reads; a rank
-that fails leaves its error there, so the report can say what went wrong.
+Every configuration runs the same function, ``run_in(par, settings, extra) -> dict``, under ``Parallel``: here for
+single and dp, and for ``ddp:N`` in N processes that :func:`paratrain.launch.launch` starts running
+:mod:`paratrain.tools.worker`, which imports the function and the settings class by their ``module:name`` paths.
+Each rank saves its result to a file this process reads; a rank that fails leaves its error there, so the report
+can say what went wrong.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,54 +24,58 @@ from ..parallel import Parallel
 from .configs import RunConfig
 from .settings import RunSettings
 
-__all__ = ["MODES", "ConfigRunError", "run_config", "run_mode"]
+__all__ = ["ConfigRunError", "RunIn", "path_of", "run_config"]
 
-# mode -> the module that has SETTINGS (its settings class) and run_in(par, settings, extra) -> dict
-MODES = {"verify": "paratrain.tools.verify", "bench": "paratrain.tools.bench"}
+RunIn = Callable[[Parallel, Any, dict[str, Any]], dict[str, Any]]
 
 
 class ConfigRunError(ParatrainError, RuntimeError):
     """A configuration could not run to the end (a rank failed, or the job timed out)."""
 
 
-def run_mode(mode: str, par: Parallel, settings: RunSettings, extra: dict[str, Any]) -> dict[str, Any]:
-    module = importlib.import_module(MODES[mode])
-    result: dict[str, Any] = module.run_in(par, settings, extra)
-    return result
-
-
-def settings_class(mode: str) -> type[RunSettings]:
-    cls: type[RunSettings] = importlib.import_module(MODES[mode]).SETTINGS
-    return cls
+def path_of(obj: Any) -> str:
+    """``module:qualified.name`` of a module-level function or class, as :mod:`paratrain.tools.worker` imports it."""
+    return f"{obj.__module__}:{obj.__qualname__}"
 
 
 def run_config(
-    mode: str, settings: RunSettings, config: RunConfig, workdir: Path, extra: dict[str, Any]
+    run_in: RunIn, settings: RunSettings, config: RunConfig, workdir: Path, extra: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    """Run ``mode`` under ``config``; each rank's result, in rank order (one entry in this process).
+    """Run ``run_in`` under ``config``; each rank's result, in rank order (one entry in this process).
 
     Raises:
-        ConfigRunError: a rank raised, or the processes did not finish within ``settings.timeout``.
+        ConfigRunError: a rank raised, or the processes did not finish within ``settings.run_timeout``.
     """
     if config.in_process:
         try:
             with Parallel(config.strategy, ",".join(config.devices), precision=settings.precision) as par:
-                return [run_mode(mode, par, settings, extra)]
+                return [run_in(par, settings, extra)]
         except ParatrainError:
             raise
         except Exception as exc:  # the user's model may raise anything: the report names it
             raise ConfigRunError(f"{type(exc).__name__}: {exc}") from exc
-    out = workdir / f"{mode}-{config.word.replace(':', '-').replace(',', '-')}"
+    name = run_in.__module__.rsplit(".", 1)[-1]
+    out = workdir / f"{name}-{config.word.replace(':', '-').replace(',', '-')}"
     out.mkdir(parents=True, exist_ok=True)
     job = out / "job.json"
-    job.write_text(json.dumps({"mode": mode, "settings": asdict(settings), "extra": extra, "out": str(out)}))
+    job.write_text(
+        json.dumps(
+            {
+                "run_in": path_of(run_in),
+                "settings_class": path_of(type(settings)),
+                "settings": settings.to_dict(),
+                "extra": extra,
+                "out": str(out),
+            }
+        )
+    )
     try:
         code = launch(
             LaunchConfig(nproc_per_node=config.processes),
             "paratrain.tools.worker",
             [str(job)],
             module=True,
-            timeout=settings.timeout,
+            timeout=settings.run_timeout,
         )
     except DistributedError as exc:
         raise ConfigRunError(f"{config.word}: {exc}") from exc

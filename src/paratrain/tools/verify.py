@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
 from ..parallel import Parallel, seed_everything
+from ..settings import at_least, optional, setting
 from .configs import RunConfig, parse_configs, unavailable_reason
 from .diagnose import (
     Cause,
@@ -34,7 +34,7 @@ from .diagnose import (
 )
 from .report import format_table, write_json
 from .runner import ConfigRunError, run_config
-from .settings import RunSettings, setting, settings_from
+from .settings import RunSettings, settings_from
 from .workload import Workload, build_optimizer, endless
 
 __all__ = ["ConfigVerdict", "VerifyConfig", "VerifyReport", "default_tolerance", "verify"]
@@ -67,21 +67,10 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
 class VerifyConfig(RunSettings):
     """Settings of ``paratrain verify``."""
 
-    steps: int = setting(3, "optimizer steps each configuration runs")
-    rtol: float | None = setting(None, "relative tolerance, of each tensor's largest value (default: by dtype)")
-    atol: float | None = setting(None, "absolute tolerance (default: by dtype)")
-
-    def validate_settings(self) -> None:
-        super().validate_settings()
-        if self.steps < 1:
-            raise ConfigError(f"--steps must be at least 1; found {self.steps}")
-        for name in ("rtol", "atol"):
-            value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ConfigError(f"--{name} must be 0 or more; found {value}")
-
-
-SETTINGS = VerifyConfig
+    rtol: float | None = setting(
+        None, "relative tolerance, of each tensor's largest value (default: by dtype)", check=optional(at_least(0))
+    )
+    atol: float | None = setting(None, "absolute tolerance (default: by dtype)", check=optional(at_least(0)))
 
 
 @dataclass
@@ -108,6 +97,7 @@ class VerifyReport:
     atol: float
     verdicts: list[ConfigVerdict]
     forward_order: list[str]
+    written: list[str] = field(default_factory=list)  # the files written (the JSON report)
 
     @property
     def ok(self) -> bool:
@@ -191,6 +181,8 @@ def run_in(par: Parallel, settings: VerifyConfig, extra: dict[str, Any]) -> dict
         # the global batch's loss: a mean weighs each piece by its samples; a sum adds the pieces' sums
         global_loss = par.all_reduce(total, "sum") / (share.total if mean and share.total else 1)
         losses.append(float(global_loss))
+        if settings.clip_grad_norm is not None:
+            par.clip_grad_norm_(model, settings.clip_grad_norm)
         grads.append([None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in params])
         par.step(optimizer)
         after.append([p.detach().to("cpu", copy=True) for p in params])
@@ -289,7 +281,7 @@ def verify(config: VerifyConfig | None = None, /, **settings: Any) -> VerifyRepo
         torch.save(model.state_dict(), initial)
         extra = {"initial_state": str(initial)}
         started = time.perf_counter()
-        reference = run_config("verify", config, single, workdir, extra)[0]
+        reference = run_config(run_in, config, single, workdir, extra)[0]
         single_seconds = time.perf_counter() - started
         verdicts = []
         for run in configs:
@@ -303,7 +295,7 @@ def verify(config: VerifyConfig | None = None, /, **settings: Any) -> VerifyRepo
                 continue
             started = time.perf_counter()
             try:
-                result = run_config("verify", config, run, workdir, extra)[0]
+                result = run_config(run_in, config, run, workdir, extra)[0]
             except ConfigRunError as exc:
                 verdicts.append(ConfigVerdict(run.word, ERROR, str(exc), run.device_count))
                 continue
@@ -313,6 +305,7 @@ def verify(config: VerifyConfig | None = None, /, **settings: Any) -> VerifyRepo
     report = VerifyReport(asdict(config), rtol, atol, verdicts, order)
     if config.report_out:
         write_json(report.as_dict(), config.report_out)
+        report.written.append(config.report_out)
     return report
 
 

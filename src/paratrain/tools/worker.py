@@ -2,32 +2,42 @@
 
     python -m torch.distributed.run --nproc-per-node 2 -m paratrain.tools.worker JOB.json
 
-JOB.json names the mode, its settings, extra inputs and the folder each rank writes ``rank{R}.pt`` to (or
-``rank{R}.error`` with the failure).
+JOB.json names the function to run and the settings class by ``module:name`` path, the settings, extra inputs
+and the folder each rank writes ``rank{R}.pt`` to (or ``rank{R}.error`` with the failure).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..environment import ClusterEnvironment
 from ..parallel import Parallel
-from .runner import run_mode, settings_class
+
+
+def _imported(path: str) -> Any:
+    module, _, name = path.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
 
 
 def main(argv: list[str]) -> int:
     job = json.loads(Path(argv[0]).read_text())
     out = Path(job["out"])
-    rank = int(os.environ.get("RANK", "0"))
+    rank = ClusterEnvironment.detect().rank
     try:
-        settings = settings_class(job["mode"])(**job["settings"])
-        with Parallel("ddp", "auto", timeout=float(settings.timeout)) as par:
-            result = run_mode(job["mode"], par, settings, job["extra"])
+        settings = _imported(job["settings_class"]).from_dict(job["settings"], source=argv[0])
+        run_in = _imported(job["run_in"])
+        with Parallel("ddp", "auto", timeout=settings.timeout) as par:
+            result = run_in(par, settings, job["extra"])
         torch.save(result, out / f"rank{rank}.pt")
     except Exception as exc:
         (out / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {exc}\n")

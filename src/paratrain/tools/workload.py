@@ -21,11 +21,12 @@ from torch.nn import functional as F
 
 from ..parallel import seed_everything
 from ..prepared import PreparedIndexedLoader
-from ..training.datasets import TensorData, load_dataset
+from ..training.data import TensorData, parse_input_shape
+from ..training.datasets import load_dataset
 from ..training.loader import DeviceLoader
 from ..training.model_spec import build_model_spec
 from ..training.optimizers import build_optimizer as training_optimizer
-from .settings import RunSettings, parse_input_shape
+from .settings import RunSettings
 
 __all__ = ["Workload", "build_optimizer", "endless"]
 
@@ -33,8 +34,15 @@ _RANDOM_BATCHES = 4  # random data: this many global batches of samples, cycled
 
 
 def build_optimizer(settings: RunSettings, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """The run's optimizer, built as ``paratrain train`` builds it (torch's defaults beyond the learning rate)."""
-    return training_optimizer(params, settings.optimizer, lr=settings.lr)
+    """The run's optimizer, built from the same settings as ``paratrain train`` builds it."""
+    return training_optimizer(
+        params,
+        settings.optimizer,
+        lr=settings.lr,
+        momentum=settings.momentum,
+        weight_decay=settings.weight_decay,
+        betas=settings.betas,
+    )
 
 
 @dataclass(frozen=True)
@@ -47,14 +55,16 @@ class Workload:
     @classmethod
     def load(cls, settings: RunSettings) -> Workload:
         """The data the settings name: a built-in dataset's training split, or seeded random tensors."""
-        if settings.input_shape is not None:
-            shape = parse_input_shape(settings.input_shape)
-            generator = torch.Generator().manual_seed(settings.seed)
-            count = settings.batch_size * _RANDOM_BATCHES
-            inputs = torch.randn(count, *shape, generator=generator)
-            targets = torch.randint(0, settings.num_classes, (count,), generator=generator)
-            return cls(settings, TensorData(inputs, targets), shape, settings.num_classes)
-        splits = load_dataset(settings.dataset or "digits", settings.data_dir)
+        shape = parse_input_shape(settings.input_shape) if settings.input_shape is not None else None
+        splits = load_dataset(
+            settings.dataset_name,
+            settings.data_dir,
+            verify=settings.verify_data,
+            input_shape=shape,
+            num_classes=settings.num_classes,
+            samples=settings.batch_size * _RANDOM_BATCHES,
+            seed=settings.seed,
+        )
         return cls(settings, splits.train, splits.input_shape, splits.num_classes)
 
     def build_model(self) -> nn.Module:

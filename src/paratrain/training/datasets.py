@@ -19,9 +19,7 @@ from __future__ import annotations
 import functools
 import gzip
 import io
-import os
 import zlib
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -30,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, DataError
+from .data import DatasetSplits, TensorData, normalise
 
-__all__ = ["DATASET_NAMES", "DatasetSplits", "TensorData", "default_cache_dir", "load_dataset"]
+__all__ = ["DATASET_NAMES", "load_dataset"]
 
 DATASET_NAMES = ("digits", "digits60k", "mnist", "random")
 
@@ -40,51 +39,19 @@ _DIGITS60K_SIZE = 60_000  # MNIST's training set size
 _MAX_SHIFT = 2  # pixels, each direction, on the 28x28 image
 _NOISE_STD = 0.1  # in the normalised scale, where the pixel range is 2 wide
 _SIDE = 28
-
-
-@dataclass(frozen=True, eq=False)  # eq on tensors would be elementwise; compare by identity
-class TensorData:
-    """A whole split held as tensors: ``inputs`` (N, ...) float32 and ``targets`` (N,) int64."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.targets.dim() != 1 or self.inputs.dim() < 1 or self.inputs.size(0) != self.targets.size(0):
-            raise ConfigError(
-                f"inputs of shape {tuple(self.inputs.shape)} and targets of shape {tuple(self.targets.shape)} do "
-                f"not pair up; expected inputs (N, ...) and targets (N,) with the same N"
-            )
-
-    def __len__(self) -> int:
-        return self.targets.size(0)
-
-    def to(self, device: torch.device | str | int) -> TensorData:
-        """Both tensors on ``device`` (the same object's tensors when they are already there)."""
-        return TensorData(self.inputs.to(device), self.targets.to(device))
-
-
-@dataclass(frozen=True, eq=False)  # eq on tensors would be elementwise; compare by identity
-class DatasetSplits:
-    """A dataset's train and test splits, with what a model needs to know about it."""
-
-    name: str
-    train: TensorData
-    test: TensorData
-    num_classes: int
-    input_shape: tuple[int, ...]  # one sample's shape, e.g. (1, 28, 28) or (5,)
-
-
-def default_cache_dir() -> Path:
-    """Where downloaded datasets go: ``$XDG_CACHE_HOME/paratrain``, or ``~/.cache/paratrain``."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    # the XDG spec says relative values are invalid and must be ignored
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "paratrain"
+RANDOM_SAMPLES = 1024  # per split, for random data of a given shape
 
 
 def load_dataset(
-    name: str, data_dir: str | Path | None = None, *, download: bool = True, verify: bool = True
+    name: str,
+    data_dir: str | Path | None = None,
+    *,
+    download: bool = True,
+    verify: bool = True,
+    input_shape: tuple[int, ...] | None = None,
+    num_classes: int = 10,
+    samples: int = RANDOM_SAMPLES,
+    seed: int = 0,
 ) -> DatasetSplits:
     """Load one of ``DATASET_NAMES`` as whole tensors on the CPU.
 
@@ -96,6 +63,9 @@ def load_dataset(
         verify: check MNIST files found on disk as downloads are checked: gzipped files against their published
             md5, plain ones against the release's label counts and mean brightness. ``False`` uses a deliberately
             different copy (``paratrain train --no-verify-data``).
+        input_shape, num_classes, samples, seed: ``random`` only: ``samples`` random inputs of ``input_shape``
+            per split, drawn from ``seed``, with targets in ``0..num_classes - 1``. Without ``input_shape``, the
+            DataParallel demo's 100 vectors of 5 features in 2 classes.
 
     Raises:
         ConfigError: an unknown name.
@@ -110,13 +80,8 @@ def load_dataset(
 
         return load_mnist(data_dir, download=download, verify=verify)
     if name == "random":
-        return _random()
+        return _random() if input_shape is None else _random_shaped(input_shape, num_classes, samples, seed)
     raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}")
-
-
-def _normalise(pixels01: torch.Tensor) -> torch.Tensor:
-    # torchvision's Normalize((0.5,), (0.5,)): [0, 1] -> [-1, 1]
-    return (pixels01 - 0.5) / 0.5
 
 
 # --- digits -----------------------------------------------------------------------------------------------------
@@ -151,7 +116,7 @@ def _read_digits_asset() -> tuple[torch.Tensor, torch.Tensor]:
     pixels = torch.from_numpy(table[:, :64]).float().div_(16.0).view(-1, 1, 8, 8)  # values 0..16 -> [0, 1]
     # bilinear upsampling mixes neighbours convexly, so values stay within [0, 1]
     pixels = F.interpolate(pixels, size=(_SIDE, _SIDE), mode="bilinear", align_corners=False)
-    return _normalise(pixels).contiguous(), torch.from_numpy(table[:, 64].copy())
+    return normalise(pixels).contiguous(), torch.from_numpy(table[:, 64].copy())
 
 
 @functools.lru_cache(maxsize=1)
@@ -200,3 +165,14 @@ def _random() -> DatasetSplits:
         targets = torch.randint(0, 2, (100,), generator=generator)
         splits.append(TensorData(inputs, targets))
     return DatasetSplits("random", splits[0], splits[1], num_classes=2, input_shape=(5,))
+
+
+def _random_shaped(input_shape: tuple[int, ...], num_classes: int, samples: int, seed: int) -> DatasetSplits:
+    """``samples`` standard-normal inputs of ``input_shape`` per split drawn from ``seed``, with uniform targets."""
+    generator = torch.Generator().manual_seed(seed)
+    splits = []
+    for _ in ("train", "test"):
+        inputs = torch.randn(samples, *input_shape, generator=generator)
+        targets = torch.randint(0, num_classes, (samples,), generator=generator)
+        splits.append(TensorData(inputs, targets))
+    return DatasetSplits("random", splits[0], splits[1], num_classes=num_classes, input_shape=tuple(input_shape))

@@ -12,7 +12,6 @@ From Python: ``train(TrainConfig(epochs=1, quiet=True))`` returns a :class:`~par
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -24,10 +23,10 @@ from torch import nn
 from ..checkpoint import check_writable
 from ..errors import TrainingError
 from ..files import remove_stale_temporaries
-from ..launch import restart_count
 from ..parallel import Parallel, seed_everything
 from .config import TrainConfig
-from .datasets import TensorData, load_dataset
+from .data import TensorData, parse_input_shape
+from .datasets import load_dataset
 from .loader import DeviceLoader
 from .logs import RunLog
 from .model_spec import build_model_spec
@@ -66,7 +65,7 @@ def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> T
 
     ``log`` receives every line the main process would print (default: stdout).
     """
-    config.validate()
+    config.check()
     with Parallel(config.strategy, config.devices, timeout=config.timeout, precision=config.precision) as par:
         return _Run(config, par, log).run()
 
@@ -85,13 +84,22 @@ class _Run:
             if self.checkpoints is not None:
                 check_writable(self.checkpoints)
                 remove_stale_temporaries(self.checkpoints)  # left by writers killed mid-write
-        self.recovery = ProgressLog(self.checkpoints, enabled=par.is_main, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+        self.recovery = ProgressLog(self.checkpoints, enabled=par.is_main, run_id=par.environment.run_id)
         # a restart after a failure, or the group re-formed (a node joined or left) while this launch's run was
         # unfinished; the main process keeps the record, so its answer holds in every process
-        continuing = torch.tensor([int(restart_count() > 0 or self.recovery.interrupted())], dtype=torch.int64)
+        restarted = par.environment.restart_count > 0
+        continuing = torch.tensor([int(restarted or self.recovery.interrupted())], dtype=torch.int64)
         self.continuing = bool(par.broadcast(continuing)[0])
         self.resume_path = find_resume(config, self.checkpoints, self.continuing)
-        self.splits = load_dataset(config.dataset, config.data_dir, verify=config.verify_data)
+        shape = parse_input_shape(config.input_shape) if config.input_shape is not None else None
+        self.splits = load_dataset(
+            config.dataset_name,
+            config.data_dir,
+            verify=config.verify_data,
+            input_shape=shape,
+            num_classes=config.num_classes,
+            seed=config.seed,
+        )
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
         model = build_model_spec(
             config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
@@ -160,7 +168,7 @@ class _Run:
     def run(self) -> TrainResult:
         config, splits = self.config, self.splits
         self.say(
-            f"Training {config.model} on {config.dataset} ({len(splits.train)} train / {len(splits.test)} test) "
+            f"Training {config.model} on {config.dataset_name} ({len(splits.train)} train / {len(splits.test)} test) "
             f"with {self.par.describe()}, global batch {config.batch_size}, {config.epochs} epochs"
         )
         loop_start = time.perf_counter()
@@ -286,7 +294,7 @@ class _Run:
             seed=config.seed,
             model_fingerprint=fingerprint(par.unwrap(self.model).state_dict()),
             model=config.model,
-            dataset=config.dataset,
+            dataset=config.dataset_name,
             batch_size=config.batch_size,
             lr=config.lr,
             world_size=par.world_size,

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from ..errors import ConfigError
-from .datasets import TensorData
+from .data import TensorData
 
 __all__ = ["DeviceLoader"]
 

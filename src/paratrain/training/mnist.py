@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .datasets import DatasetSplits, TensorData, _normalise, default_cache_dir
+from .data import DatasetSplits, TensorData, default_cache_dir, normalise
 
 __all__ = ["load_mnist"]
 
@@ -177,7 +177,7 @@ def _read_mnist_split(directory: Path, prefix: str, checksums: Mapping[str, str]
     if checksums is not None:
         _check_plain(labels_path, labels, images_path, images, prefix)
     pixels = torch.from_numpy(images).unsqueeze(1).float().div_(255.0)  # (N, 1, 28, 28) in [0, 1]
-    return TensorData(_normalise(pixels), torch.from_numpy(labels).long())
+    return TensorData(normalise(pixels), torch.from_numpy(labels).long())
 
 
 _USE_ANOTHER_COPY = (

@@ -14,7 +14,7 @@ the failure came after the last step):
   and restarting the workers, loading the checkpoint, and the first step again). Times are wall-clock seconds,
   so across machines they carry the machines' clock difference.
 
-    log = ProgressLog(Path("runs/a"), enabled=par.is_main, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+    log = ProgressLog(Path("runs/a"), enabled=par.is_main, run_id=par.environment.run_id)
     log.interrupted()                              # this launch's record, unfinished: a re-formed group
     log.start(150, continuing=True)                # a restarted attempt, resumed at global step 150
     log.step(151)                                  # after every optimizer step: one small pwrite

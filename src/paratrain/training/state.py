@@ -61,7 +61,7 @@ def find_resume(config: TrainConfig, checkpoints: Path | None, continuing: bool)
         if not path.is_file():
             raise CheckpointError(f"--resume {config.resume}: no such checkpoint file")
         return path
-    assert checkpoints is not None  # validate() requires it
+    assert checkpoints is not None  # check() requires it
     latest = latest_checkpoint(checkpoints)
     if latest is None and config.resume == "latest":
         raise CheckpointError(
@@ -72,7 +72,7 @@ def find_resume(config: TrainConfig, checkpoints: Path | None, continuing: bool)
 
 
 def _identity(config: TrainConfig) -> dict[str, Any]:
-    values = asdict(config)
+    values = {**asdict(config), "dataset": config.dataset_name}
     return {key: values[key] for key in _IDENTITY}
 
 

@@ -1,0 +1,105 @@
+"""The progress board, driven directly: a dict-backed store, one board per rank, no process group."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from paratrain.board import Board
+
+
+class DictStore:
+    """The part of a c10d store the board uses: set, get and check, on a dict shared by every "rank"."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.broken = False
+
+    def set(self, key: str, value: str) -> None:
+        if self.broken:
+            raise RuntimeError("store gone")
+        with self.lock:
+            self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        if self.broken:
+            raise RuntimeError("store gone")
+        with self.lock:
+            return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        if self.broken:
+            raise RuntimeError("store gone")
+        with self.lock:
+            return all(k in self.data for k in keys)
+
+
+def _boards(store: DictStore, n: int, interval: float = 0.02) -> list[Board]:
+    return [Board(store, "t", rank, list(range(n)), interval=interval) for rank in range(n)]
+
+
+def _wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_counts_published_by_the_thread_name_who_is_behind():
+    store = DictStore()
+    boards = _boards(store, 3)
+    try:
+        boards[0].post(5)
+        boards[1].post(5)
+        boards[2].post(3)
+        _wait_for(lambda: boards[0].read().get(2, (0, 0))[0] == 3 and boards[0].read().get(1, (0, 0))[0] == 5)
+        assert boards[0].behind(5) == ([2], [])
+        assert boards[0].behind(3) == ([], [])
+        assert set(boards[2].read()) == {0, 1}  # every other rank, never itself
+    finally:
+        for board in boards:
+            board.close()
+
+
+def test_a_rank_whose_heartbeat_stops_is_silent_and_a_live_one_is_not():
+    store = DictStore()
+    boards = _boards(store, 2)
+    try:
+        _wait_for(lambda: 1 in boards[0].read() and boards[0].read()[1] != (0, 0))
+        assert boards[0].silent(watch=0.2) == ([], [])
+        boards[1].close()  # its thread stops: no heartbeat from now on
+        assert boards[0].silent(watch=0.2) == ([1], [])
+    finally:
+        for board in boards:
+            board.close()
+
+
+def test_a_rank_that_never_published_counts_zero_and_an_unreachable_store_is_unknown():
+    store = DictStore()
+    lonely = Board(store, "t", 0, [0, 7], interval=10)  # rank 7 never starts
+    try:
+        assert lonely.behind(1) == ([7], [])
+        store.broken = True
+        assert lonely.behind(1) == ([], [7])
+        assert lonely.silent(watch=0.01) == ([], [7])
+    finally:
+        lonely.close()
+
+
+def test_close_stops_the_thread_at_once_and_twice_is_fine():
+    board = Board(DictStore(), "t", 0, [0, 1], interval=30)
+    started = time.monotonic()
+    board.close()
+    board.close()
+    assert time.monotonic() - started < 2
+    assert not board._thread.is_alive()
+
+
+def test_the_watch_callback_runs_on_every_beat():
+    beats = []
+    board = Board(DictStore(), "t", 0, [0], on_beat=lambda: beats.append(1), interval=0.01)
+    try:
+        _wait_for(lambda: len(beats) >= 3)
+    finally:
+        board.close()
