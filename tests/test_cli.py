@@ -51,7 +51,7 @@ def test_demo_defaults_to_two_cpu_replicas_without_gpu():
     [
         (["demo", "--devices", "banana"], "is not a device"),
         (["demo", "--devices", "cpu,,cpu"], "empty entry"),
-        (["demo", "--batch-size", "0"], "expected a positive integer"),
+        (["demo", "--batch-size", "0"], "--batch-size must be at least 1; found 0"),
         (["nonsense"], "invalid choice"),
     ],
 )

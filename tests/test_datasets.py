@@ -134,7 +134,7 @@ def test_augment_uses_all_25_translations_and_adds_noise_of_the_given_size():
 
 
 def test_random_matches_the_first_seed():
-    from paratrain.cli.demo import RandomDataset
+    from paratrain.training.demo import RandomDataset
 
     splits = load_dataset("random")
     assert (splits.name, splits.num_classes, splits.input_shape) == ("random", 2, (5,))

@@ -1,32 +1,13 @@
-"""argparse types for numbers with bounds, so every command reports bad numbers the same way.
+"""argparse types for the few flags whose type is not a plain int, float, str or bool.
 
-parser.add_argument("--epochs", type=positive_int)      # "expected a positive integer, found 0"
+parser.add_argument("--nproc-per-node", type=positive_int_or_auto)      # "expected a positive integer or 'auto'"
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
-__all__ = ["non_negative_int", "positive_float", "positive_int", "positive_int_or_auto"]
-
-
-def _bounded(cast: Callable[[str], float], ok: Callable[[float], bool], expected: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, found {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, found {value}")
-        return value
-
-    return parse
-
-
-positive_int: Callable[[str], int] = _bounded(int, lambda v: v >= 1, "a positive integer")  # type: ignore[assignment]
-non_negative_int: Callable[[str], int] = _bounded(int, lambda v: v >= 0, "an integer >= 0")  # type: ignore[assignment]
-positive_float: Callable[[str], float] = _bounded(float, lambda v: v > 0, "a positive number")
+__all__ = ["positive_int_or_auto"]
 
 
 def positive_int_or_auto(text: str) -> int | str:

@@ -1,94 +1,33 @@
 """``paratrain demo``: the DataParallel tutorial's demo, showing how DataParallel splits each batch.
 
-A random dataset (100 vectors of 5 features), a Linear(5, 2) model that prints the size of what each replica
-receives, batches of 30::
-
-    paratrain demo                          # every GPU, or two CPU replicas without one
-    paratrain demo --devices cpu,cpu,cpu    # 30 samples -> 10 per replica
+paratrain demo                          # every GPU, or two CPU replicas without one
+paratrain demo --devices cpu,cpu,cpu    # 30 samples -> 10 per replica
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
 
-import torch
-from torch.utils.data import DataLoader, Dataset
+from .options import add_options, from_args
 
-from ..data_parallel import DataParallel
-from ..devices import parse_devices_arg, visible_gpus
-from ..scatter_gather import split_sizes
-from ..training.models import DemoModel, print_line
-from .argtypes import positive_int
-
-__all__ = ["RandomDataset", "add_demo_parser", "default_demo_devices", "run_demo"]
+__all__ = ["add_demo_parser"]
 
 
 def add_demo_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    dm = commands.add_parser("demo", help="the DataParallel tutorial's demo: how each batch is split")
-    dm.add_argument("--devices", default="auto", help="auto (every GPU, or cpu,cpu without one), cpu,cpu,cpu, 0,1, ...")
-    dm.add_argument("--batch-size", type=positive_int, default=30)
-    dm.add_argument("--data-size", type=positive_int, default=100)
-    dm.add_argument("--seed", type=int, default=0)
-    dm.set_defaults(handler=_demo)
+    from ..training.demo import DemoConfig
+
+    parser = commands.add_parser(
+        "demo",
+        help="the DataParallel tutorial's demo: how each batch is split",
+        description="The DataParallel tutorial's demo: a Linear(5, 2) model that prints the size of what each "
+        "replica receives, on batches of 30 random vectors: 30 samples on 2 devices are 15 each, on 3 devices 10.",
+    )
+    add_options(parser, DemoConfig)
+    parser.set_defaults(handler=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    devices = parse_devices_arg(args.devices) or default_demo_devices()
-    run_demo(devices, batch_size=args.batch_size, data_size=args.data_size, seed=args.seed)
+    from ..training.demo import DemoConfig, demo
+
+    demo(from_args(DemoConfig, args))
     return 0
-
-
-class RandomDataset(Dataset[torch.Tensor]):
-    """``length`` random vectors of ``size`` features, as in the tutorial."""
-
-    def __init__(self, size: int, length: int, generator: torch.Generator | None = None) -> None:
-        self.len = length
-        self.data = torch.randn(length, size, generator=generator)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.data[index]
-
-    def __len__(self) -> int:
-        return self.len
-
-
-def default_demo_devices() -> list[torch.device]:
-    """Every visible GPU, or two CPU replicas when there is none."""
-    return visible_gpus() or [torch.device("cpu")] * 2
-
-
-def run_demo(
-    devices: Sequence[torch.device],
-    batch_size: int = 30,
-    data_size: int = 100,
-    input_size: int = 5,
-    output_size: int = 2,
-    seed: int = 0,
-    log: Callable[[str], None] = print_line,
-) -> list[list[int]]:
-    """Run the demo; returns the split of every batch (samples per replica)."""
-    generator = torch.Generator().manual_seed(seed)
-    loader = DataLoader(
-        RandomDataset(input_size, data_size, generator),
-        batch_size=batch_size,
-        shuffle=True,
-        generator=generator,
-    )
-    torch.manual_seed(seed)
-    inner = DemoModel(input_size, output_size, log=log)
-    names = ", ".join(str(d) for d in devices)
-    log(f"Let's use {len(devices)} devices: {names}")
-    model = DataParallel(inner, device_ids=list(devices))
-    model.to(devices[0])
-    splits = []
-    for i, data in enumerate(loader, start=1):
-        input = data.to(devices[0])
-        sizes = split_sizes(input.size(0), len(devices))
-        splits.append(sizes)
-        used = ", ".join(str(d) for d in devices[: len(sizes)])
-        log(f"Batch {i}: {input.size(0)} samples split as {sizes} over {used}")
-        output = model(input)
-        log(f"Outside: input size {input.size()} output_size {output.size()}")
-    model.close()
-    return splits

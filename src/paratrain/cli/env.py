@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from ..version import __version__
-
-__all__ = ["Accelerator", "EnvReport", "add_env_parser", "collect"]
+__all__ = ["add_env_parser"]
 
 
 def add_env_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -24,87 +15,8 @@ def add_env_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
 
 
 def _env(args: argparse.Namespace) -> int:
+    from ..tools.env import collect
+
     report = collect()
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.render())
     return 0
-
-
-@dataclass(frozen=True)
-class Accelerator:
-    index: int
-    name: str
-    memory_gib: float
-    capability: str
-
-
-@dataclass(frozen=True)
-class EnvReport:
-    paratrain: str
-    python: str
-    platform: str
-    torch: str
-    cuda_build: str | None
-    cudnn: int | None
-    cpu_threads: int
-    accelerators: list[Accelerator] = field(default_factory=list)
-    backends: dict[str, bool] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def render(self) -> str:
-        lines = [
-            f"paratrain      {self.paratrain}",
-            f"python         {self.python}",
-            f"platform       {self.platform}",
-            f"torch          {self.torch}",
-            f"cuda (build)   {self.cuda_build or 'none (CPU build)'}",
-            f"cudnn          {self.cudnn if self.cudnn is not None else 'none'}",
-            f"cpu threads    {self.cpu_threads}",
-        ]
-        if self.accelerators:
-            lines.append(f"gpus           {len(self.accelerators)}")
-            lines.extend(
-                f"  cuda:{a.index}  {a.name}  {a.memory_gib:.1f} GiB  compute {a.capability}" for a in self.accelerators
-            )
-        else:
-            lines.append("gpus           none visible (DataParallel can still use CPU replicas)")
-        backends = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in self.backends.items())
-        lines.append(f"distributed    {backends}")
-        return "\n".join(lines)
-
-
-def _accelerators() -> list[Accelerator]:
-    if not torch.cuda.is_available():
-        return []
-    found = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        found.append(Accelerator(i, props.name, props.total_memory / 2**30, f"{props.major}.{props.minor}"))
-    return found
-
-
-def _backends() -> dict[str, bool]:
-    if not dist.is_available():
-        return {"torch.distributed": False}
-    return {
-        "gloo": dist.is_gloo_available(),
-        "nccl": dist.is_nccl_available(),
-        "mpi": dist.is_mpi_available(),
-    }
-
-
-def collect() -> EnvReport:
-    """Read the report off this machine."""
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return EnvReport(
-        paratrain=__version__,
-        python=sys.version.split()[0],
-        platform=platform.platform(),
-        torch=torch.__version__,
-        cuda_build=torch.version.cuda,
-        cudnn=cudnn,
-        cpu_threads=torch.get_num_threads(),
-        accelerators=_accelerators(),
-        backends=_backends(),
-    )
