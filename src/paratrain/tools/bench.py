@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..files import check_output
 from ..parallel import Parallel
 from ..settings import setting
 from .configs import RunConfig, parse_configs, unavailable_reason
@@ -53,6 +54,9 @@ class BenchConfig(TimingSettings, RunSettings):
     )
 
     def check_group(self) -> None:
+        for flag, path in (("--markdown-out", self.markdown_out), ("--plot-out", self.plot_out)):
+            if path is not None:
+                check_output(path, flag)
         if self.plot_out is not None and not plotting_available():
             raise ConfigError(
                 f"--plot-out {self.plot_out} needs matplotlib, which is not installed; pip install "

@@ -113,6 +113,9 @@ class ProfileRun:
             t2 = clock.mark()
             loss.backward()
             t3 = clock.mark()
+            clip = self.work.settings.clip_grad_norm
+            if clip is not None:  # as bench and train clip: part of the optimizer phase
+                torch.nn.utils.clip_grad_norm_(self.params, clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             t4 = clock.mark()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
+from ..files import check_output
 from ..settings import Settings, at_least, one_of, positive, setting
 from ..training.settings import CollectiveSettings, DataSettings, ModelSettings, OptimizerSettings, StepSettings
 from .configs import parse_configs
@@ -73,6 +74,8 @@ class ToolSettings(Settings):
 
     def check_group(self) -> None:
         parse_configs(self.configs)  # a bad word is a usage error before anything runs
+        if self.report_out is not None:
+            check_output(self.report_out, "--report-out")  # before the runs, not after them
 
 
 @dataclass
