@@ -114,3 +114,22 @@ def train_job(rank: int, world: int, settings: dict[str, Any]) -> dict[str, Any]
 
     result = train(TrainConfig(strategy="ddp", devices="cpu", quiet=True, **settings))
     return {"epoch_losses": result.epoch_losses, "test_accuracy": result.test_accuracy}
+
+
+def batched_loader_order(rank: int, world: int) -> dict[str, Any]:
+    """A DataLoader over a TensorDataset takes the indexed path under ddp: the same batches, bit for bit, in the
+    order one process's DataLoader gives, and rank 0's generator ends the epoch where one process's does."""
+    par = paratrain.Parallel("ddp", "cpu")
+    data = _data(seed=9)
+    torch.manual_seed(5 + rank)  # the ranks' generators differ: the order must still be rank 0's
+    prepared = par.prepare(DataLoader(data, batch_size=5, shuffle=True))
+    path = prepared.path
+    torch.manual_seed(5 + rank)
+    batches = [[par.gather(x), par.gather(y)] for x, y in prepared]
+    after = torch.get_rng_state()
+    torch.manual_seed(5)
+    alone = list(DataLoader(data, batch_size=5, shuffle=True))
+    same = len(batches) == len(alone) and all(
+        torch.equal(a, b) for got, want in zip(batches, alone, strict=True) for a, b in zip(got, want, strict=True)
+    )
+    return {"path": path, "same_batches": same, "rng_as_one_process": bool(torch.equal(after, torch.get_rng_state()))}

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 from conftest import run_main
 from parallel_scenarios import (
+    batched_loader_order,
     eval_loader_between_forward_and_backward,
     gather_pads_and_trims,
     train_job,
@@ -204,7 +205,12 @@ def test_batch_tensors_that_disagree_on_size_are_named():
 def _parallel_suite(rank: int, world: int) -> dict:
     return {
         scenario.__name__: scenario(rank, world)
-        for scenario in (gather_pads_and_trims, user_shuffle_order, eval_loader_between_forward_and_backward)
+        for scenario in (
+            gather_pads_and_trims,
+            user_shuffle_order,
+            eval_loader_between_forward_and_backward,
+            batched_loader_order,
+        )
     }
 
 
@@ -212,6 +218,15 @@ def _parallel_suite(rank: int, world: int) -> dict:
 def parallel_suite(request, tmp_path_factory):
     world = request.param
     return world, run_ranks(_parallel_suite, world, tmp_path_factory.mktemp(f"parallel{world}"), timeout=240)
+
+
+@pytest.mark.processes
+def test_a_tensor_dataloader_is_indexed_under_ddp_in_one_process_order(parallel_suite):
+    _, ranks = parallel_suite
+    for found in ranks:
+        r = found["batched_loader_order"]
+        assert r["path"].startswith("indexed on cpu (a TensorDataset") and r["same_batches"], r
+    assert ranks[0]["batched_loader_order"]["rng_as_one_process"]
 
 
 @pytest.mark.processes

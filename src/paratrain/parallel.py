@@ -148,9 +148,17 @@ class Parallel:
         """``single``, ``dp`` or ``ddp``: what ``auto`` (or the name given) resolved to."""
         return self.strategy.name
 
-    def describe(self) -> str:
-        """A short label for logs and results, e.g. ``dp on cpu, cpu, cpu``."""
-        return self.strategy.describe()
+    def describe(self, *, loaders: bool = False) -> str:
+        """A short label for logs and results, e.g. ``dp on cpu, cpu, cpu``.
+
+        ``loaders=True`` adds how each prepared loader makes its batches: indexed on the device (paratrain's
+        loader, or a DataLoader over a TensorDataset), or iterated as given and why.
+        """
+        label = self.strategy.describe()
+        if loaders:
+            live = [loader for ref in self._loaders if (loader := ref()) is not None]
+            label += "".join(f"\nloader {i}: {loader.path}" for i, loader in enumerate(live, start=1))
+        return label
 
     def world_devices(self) -> list[str]:
         """Every device of every process, in rank order (a collective under ddp: call it in every process)."""

@@ -1,9 +1,10 @@
 """Loaders after ``Parallel.prepare``: this process's share of each global batch, on the right device.
 
 Two kinds: a loader that follows the :class:`IndexedLoader` protocol (its global batches are index tensors into
-data it can move to a device, so each process indexes its share directly; paratrain's own ``DeviceLoader`` is
-one), and any other iterable of batches, such as a user's ``torch.utils.data.DataLoader`` (every process reads
-the same global batch and keeps its slice, so results match one device exactly).
+data it can move to a device, so each process indexes its share directly: paratrain's own ``DeviceLoader``, and a
+user's DataLoader over a ``TensorDataset`` through :mod:`paratrain.batched`), and any other iterable of batches,
+such as a DataLoader with transforms (every process reads the same global batch and keeps its slice, so results
+match one device exactly). Each prepared loader's :attr:`path` says which it took.
 
 Every batch they yield is recorded with its :class:`BatchShare` (this process's samples and the global batch's) in
 the :class:`BatchLedger` of the ``Parallel`` that prepared them; the forward that batch is fed to binds the share
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import DistributedSampler
 
+from .batched import batched_view, why_not_batched
 from .errors import ConfigError
 from .scatter_gather import batch_size
 from .strategies import Strategy
@@ -124,20 +126,70 @@ class Recording:
 def prepare_loader(
     loader: Iterable[Any], strategy: Strategy, ledger: BatchLedger
 ) -> PreparedIndexedLoader | PreparedLoader:
-    """The prepared form of ``loader``: indexed on the device when it follows :class:`IndexedLoader`."""
+    """The prepared form of ``loader``: indexed on the device when it follows :class:`IndexedLoader`, or when it is
+    a DataLoader :mod:`paratrain.batched` can index batch by batch; otherwise iterated as it is."""
     if isinstance(loader, IndexedLoader):
         return PreparedIndexedLoader(loader, strategy, ledger)
-    return PreparedLoader(loader, strategy, ledger)
+    _refuse_distributed_sampler(loader, strategy)
+    batched = batched_view(loader)
+    if batched is not None:
+        return PreparedIndexedLoader(batched, strategy, ledger, lend_rng=True)
+    return PreparedLoader(loader, strategy, ledger, why=why_not_batched(loader))
+
+
+def _refuse_distributed_sampler(loader: Any, strategy: Strategy) -> None:
+    samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    if strategy.world_size > 1 and any(isinstance(s, DistributedSampler) for s in samplers):
+        raise ConfigError(
+            "prepare() got a DataLoader with a DistributedSampler, which already gives each process its own "
+            "batches; prepare() cuts every global batch into the processes' shares itself. Pass a loader "
+            "over the whole dataset (shuffle=True, or a RandomSampler)"
+        )
+
+
+def _in_step(strategy: Strategy, batches: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """``batches()``, started with rank 0's global RNG state in every process (see :class:`PreparedLoader`).
+
+    The draws that decide an epoch's order (a sampler's seed, a DataLoader's base seed) come from the global RNG
+    when the iteration begins; every process makes them with rank 0's generator state, lent until the first batch
+    is out, so every process sees the batches one process with that state sees. Rank 0's own generator advances
+    as it would in one process.
+    """
+    if strategy.world_size == 1:
+        return batches()
+    shared = strategy.broadcast(torch.get_rng_state())
+    own = torch.get_rng_state()
+    torch.set_rng_state(shared)
+    try:
+        started = batches()
+        first = list(itertools.islice(started, 1))
+    finally:
+        if not strategy.is_main:
+            torch.set_rng_state(own)
+    return itertools.chain(first, started)
 
 
 class PreparedIndexedLoader:
     """An :class:`IndexedLoader` whose data lives on the strategy's device and yields this process's share."""
 
-    def __init__(self, loader: IndexedLoader, strategy: Strategy, ledger: BatchLedger) -> None:
+    def __init__(
+        self, loader: IndexedLoader, strategy: Strategy, ledger: BatchLedger, *, lend_rng: bool = False
+    ) -> None:
         self.loader = loader.to(strategy.device)
         self.strategy = strategy
         self.recording = Recording(ledger)
         self._start = 0
+        self._lend_rng = lend_rng  # the loader draws its order from the global RNG (a user's DataLoader)
+
+    @property
+    def path(self) -> str:
+        """How batches are made: for ``Parallel.describe()``."""
+        described = getattr(self.loader, "path", None)
+        return (
+            str(described)
+            if described is not None
+            else f"indexed on {self.strategy.device} ({type(self.loader).__name__})"
+        )
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -156,10 +208,13 @@ class PreparedIndexedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         start, self._start = self._start, 0
-        for indices in self.loader.batch_indices(start):
-            mine = self.strategy.shard(indices)
-            batch = self.loader.take(mine)
-            self.recording.record(batch, BatchShare(int(mine.numel()), int(indices.numel())))
+        strategy, loader, record = self.strategy, self.loader, self.recording.record
+        indices_of = (lambda: loader.batch_indices(start)) if self._lend_rng else None
+        batches = _in_step(strategy, indices_of) if indices_of is not None else loader.batch_indices(start)
+        for indices in batches:
+            mine = strategy.shard(indices)
+            batch = loader.take(mine)
+            record(batch, BatchShare(int(mine.numel()), int(indices.numel())))
             yield batch
 
 
@@ -173,17 +228,20 @@ class PreparedLoader:
     global RNG state lent to every process; the user's loader and sampler are never changed.
     """
 
-    def __init__(self, loader: Iterable[Any], strategy: Strategy, ledger: BatchLedger) -> None:
-        samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
-        if strategy.world_size > 1 and any(isinstance(s, DistributedSampler) for s in samplers):
-            raise ConfigError(
-                "prepare() got a DataLoader with a DistributedSampler, which already gives each process its own "
-                "batches; prepare() cuts every global batch into the processes' shares itself. Pass a loader "
-                "over the whole dataset (shuffle=True, or a RandomSampler)"
-            )
+    def __init__(
+        self, loader: Iterable[Any], strategy: Strategy, ledger: BatchLedger, *, why: str | None = None
+    ) -> None:
+        _refuse_distributed_sampler(loader, strategy)
         self.loader = loader
         self.strategy = strategy
         self.recording = Recording(ledger)
+        self._why = why  # why it could not be indexed batch by batch
+
+    @property
+    def path(self) -> str:
+        """How batches are made: for ``Parallel.describe()``."""
+        reason = f": {self._why}" if self._why else ""
+        return f"iterated as given, each batch moved to {self.strategy.device} and cut to this process's share{reason}"
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -200,21 +258,7 @@ class PreparedLoader:
                 set_epoch(epoch)
 
     def _global_batches(self) -> Iterator[Any]:
-        if self.strategy.world_size == 1:
-            return iter(self.loader)
-        # the draws that decide the order (the sampler's seed, the workers' base seed) come from the global RNG
-        # when the epoch's iteration begins; every process makes them with rank 0's generator state, lent
-        # until the first batch is out, so every process sees the batches one process with that state sees
-        shared = self.strategy.broadcast(torch.get_rng_state())
-        own = torch.get_rng_state()
-        torch.set_rng_state(shared)
-        try:
-            batches = iter(self.loader)
-            first = list(itertools.islice(batches, 1))
-        finally:
-            if not self.strategy.is_main:  # rank 0's own generator advances as it would in one process
-                torch.set_rng_state(own)
-        return itertools.chain(first, batches)
+        return _in_step(self.strategy, lambda: iter(self.loader))
 
     def __iter__(self) -> Iterator[Any]:
         device = self.strategy.device
