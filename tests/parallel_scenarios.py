@@ -133,3 +133,22 @@ def batched_loader_order(rank: int, world: int) -> dict[str, Any]:
         torch.equal(a, b) for got, want in zip(batches, alone, strict=True) for a, b in zip(got, want, strict=True)
     )
     return {"path": path, "same_batches": same, "rng_as_one_process": bool(torch.equal(after, torch.get_rng_state()))}
+
+
+def unmatched_batch_warns_once(rank: int, world: int) -> dict[str, Any]:
+    """Under ddp a forward's batch weighs its loss; one that no prepared loader yielded, while two are alive, warns
+    once (it takes the latest loader's share) instead of silently choosing."""
+    import warnings
+
+    par = paratrain.Parallel("ddp", "cpu")
+    model = par.prepare(torch.nn.Linear(6, 4))
+    train = par.prepare(DataLoader(_data(), batch_size=6))
+    evaluation = par.prepare(DataLoader(_data(), batch_size=6))
+    x, y = next(iter(train))
+    next(iter(evaluation))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            par.backward(F.cross_entropy(model(x * 1.0), y))  # x * 1.0: not the tensor the loader yielded
+        par.backward(F.cross_entropy(model(x), y))  # the loader's own tensor: matched
+    return {"warnings": [str(w.message) for w in caught if "no prepared loader yielded unchanged" in str(w.message)]}

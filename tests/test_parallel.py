@@ -18,6 +18,7 @@ from parallel_scenarios import (
     eval_loader_between_forward_and_backward,
     gather_pads_and_trims,
     train_job,
+    unmatched_batch_warns_once,
     user_shuffle_order,
 )
 from paratrain.errors import ConfigError, DeviceError, ScatterError
@@ -210,6 +211,7 @@ def _parallel_suite(rank: int, world: int) -> dict:
             user_shuffle_order,
             eval_loader_between_forward_and_backward,
             batched_loader_order,
+            unmatched_batch_warns_once,
         )
     }
 
@@ -218,6 +220,13 @@ def _parallel_suite(rank: int, world: int) -> dict:
 def parallel_suite(request, tmp_path_factory):
     world = request.param
     return world, run_ranks(_parallel_suite, world, tmp_path_factory.mktemp(f"parallel{world}"), timeout=240)
+
+
+@pytest.mark.processes
+def test_a_batch_no_loader_yielded_warns_once_while_several_loaders_are_alive(parallel_suite):
+    _, ranks = parallel_suite
+    for found in ranks:
+        assert len(found["unmatched_batch_warns_once"]["warnings"]) == 1, found["unmatched_batch_warns_once"]
 
 
 @pytest.mark.processes

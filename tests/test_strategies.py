@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import nn
@@ -63,24 +61,6 @@ def test_no_sync_on_a_model_the_strategy_did_not_wrap_is_an_error(strategy, devi
             par.no_sync(nn.Linear(4, 2)),
         ):
             pass
-
-
-def test_a_batch_no_loader_yielded_warns_once_when_several_loaders_are_alive():
-    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-    with paratrain.Parallel("single", "cpu") as par:
-        model = par.prepare(nn.Linear(4, 2))
-        train = par.prepare(torch.utils.data.DataLoader(data, batch_size=4))
-        evaluation = par.prepare(torch.utils.data.DataLoader(data, batch_size=4))
-        x, y = next(iter(train))
-        next(iter(evaluation))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(3):
-                par.backward(F.cross_entropy(model(x * 1.0), y))  # x * 1.0: not the tensor the loader yielded
-        assert len([w for w in caught if "no prepared loader yielded unchanged" in str(w.message)]) == 1
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            par.backward(F.cross_entropy(model(x), y))  # the loader's own tensor: matched, no warning
 
 
 @pytest.mark.processes

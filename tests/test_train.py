@@ -265,3 +265,10 @@ def test_progress_bar_and_lines_go_through_the_log(capsys):
     steps = [line.split(",")[1].strip() for line in lines if line.startswith("Epoch 0, Step ")]
     assert steps == ["Step 0", "Step 10", "Step 20"]
     assert lines[-1].startswith("Done: ") and result.steps == 23
+
+
+def test_samples_per_second_counts_the_training_steps_only(tmp_path):
+    result = train(_config(epochs=2, checkpoint_dir=str(tmp_path)))
+    assert result.eval_seconds > 0 and result.checkpoint_seconds > 0 and result.train_seconds > 0
+    assert result.samples_per_second == pytest.approx(result.samples / result.train_seconds)
+    assert result.train_seconds + result.eval_seconds + result.checkpoint_seconds <= result.wall_seconds

@@ -183,7 +183,8 @@ class Parallel:
     def _prepare_one(self, obj: Any) -> Any:
         if isinstance(obj, nn.Module):
             wrapped = self.strategy.wrap_model(obj)
-            self._handles.append(wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True))
+            if self.world_size > 1:  # in one process every loss weighs 1: nothing to find out per forward
+                self._handles.append(wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True))
             self._handles += self.precision.attach(wrapped)
             return wrapped
         if isinstance(obj, torch.optim.Optimizer):
@@ -237,6 +238,11 @@ class Parallel:
     @staticmethod
     def _recording_of(batch: Any, recordings: list[Recording]) -> Recording | None:
         """The recording whose latest batch holds one of ``batch``'s tensors (fed unchanged), if any."""
+        if type(batch) is tuple and len(batch) == 2 and type(batch[0]) is tuple:  # a forward's (args, kwargs)
+            direct = [a for a in batch[0] if isinstance(a, torch.Tensor)]  # the common case: model(x)
+            found = next((r for r in recordings if r.owns(direct)), None) if direct else None
+            if found is not None:
+                return found
         tensors = [t for t in flatten(batch)[0] if isinstance(t, torch.Tensor)]
         return next((r for r in recordings if r.owns(tensors)), None)
 
@@ -289,7 +295,9 @@ class Parallel:
         sizes = micro_sizes(local, total, steps)
         try:
             for k, (piece, n) in enumerate(zip(cut(batch, sizes), sizes, strict=True)):
-                self._micro.record(piece, share, n / local if local else 0.0)
+                fraction = n / local if local else 0.0
+                self._micro.record(piece, share, fraction)
+                self._ledger.bind(share, fraction)  # for the piece's backward (a forward may bind it again)
                 if k + 1 < len(sizes):
                     with self.no_sync(model):
                         yield piece

@@ -107,7 +107,8 @@ class Recording:
         self._tensors: list[weakref.ref[torch.Tensor]] = []
 
     def record(self, batch: Any, share: BatchShare | None, fraction: float = 1.0) -> None:
-        leaves, _ = flatten(batch)
+        plain = type(batch) in (list, tuple) and all(isinstance(t, torch.Tensor) for t in batch)
+        leaves = batch if plain else flatten(batch)[0]  # (inputs, targets): no tree walk
         self._tensors = [weakref.ref(t) for t in leaves if isinstance(t, torch.Tensor)]
         self.share = share
         self.fraction = fraction

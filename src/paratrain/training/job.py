@@ -35,7 +35,7 @@ from .progress import Progress
 from .recovery import ProgressLog
 from .results import TrainResult, fingerprint, write_metrics
 from .state import Position, find_resume, restore, save
-from .stepper import Stepper
+from .stepper import LossMeter, Stepper
 from .timing import StepTimer, time_breakdown
 from .tracking import Tracker
 
@@ -158,6 +158,7 @@ class _Run:
                 run_log = RunLog(config.log_dir, tensorboard=tensorboard, plot=plot, resume_step=resumed_at)
             self.tracker = Tracker(par, run_log)
         self.steps = self.samples = 0
+        self.eval_seconds = self.checkpoint_seconds = 0.0
         self.epoch_losses: list[float] = []
         self.epoch_accuracy: list[float] = []
 
@@ -198,13 +199,11 @@ class _Run:
         loader.skip(pos.batch)
         self.progress.start_epoch(epoch, config.epochs, len(loader), pos.batch)
         # the epoch's loss so far, summed over this process's samples; read back only when needed (a GPU sync)
-        loss_sum = torch.tensor(pos.loss_sum, dtype=torch.float64, device=par.device)
-        loss_count = pos.loss_count
+        meter = LossMeter(par.device, pos.loss_sum, pos.loss_count)
         reached = False
         for i, batch in enumerate(self.timer.data(loader), start=pos.batch):
             step = self.stepper(batch)
-            loss_sum += step.loss_sum
-            loss_count += step.samples
+            meter.add(step.loss, step.samples)
             global_batch = loader.share.total
             self.samples += global_batch
             self.steps += 1
@@ -229,7 +228,7 @@ class _Run:
             periodic = bool(config.checkpoint_every) and pos.global_step % config.checkpoint_every == 0
             if reached or (self.checkpoints is not None and periodic):
                 pos.epoch, pos.batch = epoch, i + 1
-                pos.loss_sum, pos.loss_count = _reduced_loss(par, loss_sum, loss_count)
+                pos.loss_sum, pos.loss_count = _reduced_loss(par, *meter.totals())
                 self._save()
             if reached:
                 self.timer.stop()
@@ -237,7 +236,7 @@ class _Run:
                 return False
         self.timer.stop()
         self.progress.end_epoch()
-        total, count = _reduced_loss(par, loss_sum, loss_count)
+        total, count = _reduced_loss(par, *meter.totals())
         self.epoch_losses.append(total / max(count, 1))
         if not math.isfinite(self.epoch_losses[-1]):
             raise TrainingError(
@@ -245,7 +244,7 @@ class _Run:
                 f"rate of {config.lr:g} may be too high; --clip-grad-norm or --precision 32 can help). Stopping "
                 f"instead of training on to a meaningless model"
             )
-        self.epoch_accuracy.append(evaluate(par, self.model, self.splits.test, config.eval_batch_size))
+        self.epoch_accuracy.append(self._evaluate())
         self.pos = Position(epoch + 1, 0, pos.global_step)
         self.say(
             f"Epoch {epoch} done: train loss {self.epoch_losses[-1]:.4f}, test accuracy {self.epoch_accuracy[-1]:.2%}"
@@ -265,16 +264,27 @@ class _Run:
         limit = self.config.max_steps
         return limit is not None and self.pos.global_step - self.run_started_at >= limit
 
+    def _evaluate(self) -> float:
+        started = time.perf_counter()
+        try:
+            return evaluate(self.par, self.model, self.splits.test, self.config.eval_batch_size)
+        finally:
+            self.eval_seconds += time.perf_counter() - started
+
     def _save(self) -> None:
         if self.checkpoints is not None:
+            started = time.perf_counter()
             extra = {
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "precision": self.par.precision.state_dict(),
             }
             save(self.par, self.checkpoints, self.config, self.model, self.optimizer, self.pos, extra)
+            self.checkpoint_seconds += time.perf_counter() - started
 
     def _result(self, loop_seconds: float) -> TrainResult:
         config, par, pos = self.config, self.par, self.pos
+        # the training steps alone: the loop less evaluation and checkpoint writes, which have their own figures
+        train_seconds = max(loop_seconds - self.eval_seconds - self.checkpoint_seconds, 1e-9)
         if self.epoch_losses:
             train_loss = self.epoch_losses[-1]
         else:  # stopped inside the first epoch of this run: the partial epoch's mean
@@ -282,12 +292,12 @@ class _Run:
         if self.epoch_accuracy and pos.batch == 0:  # stopped at an epoch's end, just evaluated
             test_accuracy = self.epoch_accuracy[-1]
         else:
-            test_accuracy = evaluate(par, self.model, self.splits.test, config.eval_batch_size)
+            test_accuracy = self._evaluate()
         return TrainResult(
             test_accuracy=test_accuracy,
             train_loss=train_loss,
             epochs=config.epochs,
-            samples_per_second=self.samples / loop_seconds,
+            samples_per_second=self.samples / train_seconds,
             wall_seconds=time.perf_counter() - self.wall_start,
             strategy=par.strategy_name,
             devices=par.world_devices(),
@@ -315,6 +325,9 @@ class _Run:
             warmup_steps=config.warmup_steps,
             clip_grad_norm=config.clip_grad_norm,
             skipped_steps=par.precision.skipped_steps,
+            train_seconds=train_seconds,
+            eval_seconds=self.eval_seconds,
+            checkpoint_seconds=self.checkpoint_seconds,
             time_breakdown=time_breakdown(par, self.timer),
         )
 

@@ -40,7 +40,7 @@ class TrainResult:
     test_accuracy: float
     train_loss: float
     epochs: int
-    samples_per_second: float
+    samples_per_second: float  # training steps only: evaluation and checkpoint writes are timed apart
     wall_seconds: float
     strategy: str
     devices: list[str]
@@ -68,6 +68,9 @@ class TrainResult:
     warmup_steps: int = 0
     clip_grad_norm: float | None = None
     skipped_steps: int = 0  # optimizer steps 16-mixed skipped (inf/nan gradients), over the whole run
+    train_seconds: float = 0.0  # the training steps of this run (what samples_per_second divides by)
+    eval_seconds: float = 0.0  # measuring test accuracy, every time it ran
+    checkpoint_seconds: float = 0.0  # writing checkpoints, on the main process
     # each rank's average seconds per step waiting for data, in forward, backward, the optimizer and the rest
     time_breakdown: dict[str, Any] = field(default_factory=dict)
 

@@ -22,19 +22,61 @@ from torch.optim.lr_scheduler import LRScheduler
 from ..parallel import Parallel
 from .timing import StepTimer
 
-__all__ = ["StepOutcome", "Stepper"]
+__all__ = ["LossMeter", "StepOutcome", "Stepper"]
 
 
 @dataclass
 class StepOutcome:
     """What one optimizer step did, in this process (tensors stay on the device until someone reads them)."""
 
-    loss_sum: torch.Tensor  # float64: the loss summed over this process's samples of the step
+    loss: torch.Tensor  # this process's mean loss over the step (the tutorial's printed value), detached
     samples: int  # this process's samples of the step
-    loss: torch.Tensor  # this process's mean loss over the step (the tutorial's printed value)
     lr: float  # the learning rate the step used
     applied: bool  # False when the precision skipped the step (inf/nan gradients)
     grad_norm: torch.Tensor | None  # the global gradient norm before clipping, when clipping
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        """The loss summed over this process's samples of the step (float64; 0 for an empty share)."""
+        if not self.samples:
+            return torch.zeros((), dtype=torch.float64, device=self.loss.device)
+        return self.loss.double() * self.samples
+
+
+class LossMeter:
+    """A running sum of the loss over this process's samples, costing one tensor operation per ``fold`` steps.
+
+    Every step's loss is kept as it is (a detached 0-dim tensor) and summed in one go when read, or when
+    ``fold`` of them have gathered: the step itself does no arithmetic for the bookkeeping, and reading never
+    synchronises a GPU more than once.
+    """
+
+    def __init__(self, device: torch.device, total: float = 0.0, count: int = 0, *, fold: int = 256) -> None:
+        self._sum = torch.tensor(total, dtype=torch.float64, device=device)
+        self._count = count
+        self._fold_at = fold
+        self._losses: list[torch.Tensor] = []
+        self._weights: list[int] = []
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        if not samples:  # an empty share's mean loss is NaN (0/0), and NaN * 0 is still NaN
+            return
+        self._losses.append(loss)
+        self._weights.append(samples)
+        self._count += samples
+        if len(self._losses) >= self._fold_at:
+            self._fold()
+
+    def _fold(self) -> None:
+        if self._losses:
+            weights = torch.tensor(self._weights, dtype=torch.float64, device=self._sum.device)
+            self._sum += torch.stack(self._losses).double() @ weights
+            self._losses, self._weights = [], []
+
+    def totals(self) -> tuple[torch.Tensor, int]:
+        """The loss summed over the samples so far (a float64 tensor on the device), and their number."""
+        self._fold()
+        return self._sum, self._count
 
 
 class Stepper:
@@ -58,12 +100,39 @@ class Stepper:
         self.accumulate = accumulate
         self.clip_grad_norm = clip_grad_norm
         self.timer = timer
+        # zero_grad(set_to_none=True) of torch's own optimizers, without its per-call profiler range and grouping:
+        # the gradients set to None directly (an optimizer class of its own keeps its zero_grad)
+        own = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
+        self._params = [p for group in optimizer.param_groups for p in group["params"]] if own else None
 
     def __call__(self, batch: Any) -> StepOutcome:
         par, timer = self.par, self.timer
+        if self.accumulate == 1:
+            images, labels = batch
+            loss = F.cross_entropy(self.model(images), labels)
+            timer.lap("forward")
+            par.backward(loss)
+            timer.lap("backward")
+            samples = len(labels)
+            loss = loss.detach()
+        else:
+            loss, samples = self._micro_batches(batch)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        grad_norm = None
+        if self.clip_grad_norm is not None:
+            grad_norm = par.clip_grad_norm_(self.model, self.clip_grad_norm)
+        applied = par.step(self.optimizer)
+        if applied and self.scheduler is not None:
+            self.scheduler.step()
+        self._zero_grad()
+        timer.lap("optimizer")
+        return StepOutcome(loss, samples, lr, applied, grad_norm)
+
+    def _micro_batches(self, batch: Any) -> tuple[torch.Tensor, int]:
+        """Forward and backward of each micro-batch; the step's mean loss over them, and its samples."""
+        par, timer = self.par, self.timer
         loss_sum = torch.zeros((), dtype=torch.float64, device=par.device)
         samples = 0
-        loss = loss_sum
         for images, labels in par.accumulate(self.model, batch, steps=self.accumulate):
             loss = F.cross_entropy(self.model(images), labels)
             timer.lap("forward")
@@ -72,15 +141,11 @@ class Stepper:
             if len(labels):  # an empty share's mean loss is NaN (0/0), and NaN * 0 is still NaN
                 loss_sum += loss.detach().double() * len(labels)
                 samples += len(labels)
-        if self.accumulate > 1:  # the step's mean over its micro-batches; one micro-batch: its own loss
-            loss = loss_sum / max(samples, 1)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        grad_norm = None
-        if self.clip_grad_norm is not None:
-            grad_norm = par.clip_grad_norm_(self.model, self.clip_grad_norm)
-        applied = par.step(self.optimizer)
-        if applied and self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad()
-        timer.lap("optimizer")
-        return StepOutcome(loss_sum, samples, loss.detach(), lr, applied, grad_norm)
+        return loss_sum / max(samples, 1), samples
+
+    def _zero_grad(self) -> None:
+        if self._params is None:
+            self.optimizer.zero_grad()
+            return
+        for p in self._params:
+            p.grad = None
