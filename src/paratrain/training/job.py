@@ -289,10 +289,8 @@ class _Run:
             train_loss = self.epoch_losses[-1]
         else:  # stopped inside the first epoch of this run: the partial epoch's mean
             train_loss = pos.loss_sum / pos.loss_count if pos.loss_count else float("nan")
-        if self.epoch_accuracy and pos.batch == 0:  # stopped at an epoch's end, just evaluated
-            test_accuracy = self.epoch_accuracy[-1]
-        else:
-            test_accuracy = self._evaluate()
+        just_evaluated = bool(self.epoch_accuracy) and pos.batch == 0  # stopped at an epoch's end
+        test_accuracy = self.epoch_accuracy[-1] if just_evaluated else self._evaluate()
         return TrainResult(
             test_accuracy=test_accuracy,
             train_loss=train_loss,
