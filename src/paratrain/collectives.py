@@ -20,15 +20,19 @@ How a wait is watched depends on where the collective runs:
   heartbeat. One that is overdue is reported (named ranks) on stderr and the process ends with exit code 1, as
   torch's own NCCL watchdog does: the host thread may be stuck inside CUDA and could not raise.
 
-After a collective timed out, this process's group holds a collective that will never complete: tearing the
-group down would wait for it (gloo waits its own timeout). The error is a :class:`CollectiveError`, the monitor
-keeps it as :attr:`CollectiveMonitor.failure`, teardown skips the group, and ``paratrain train`` ends the
-process at once with exit code 1.
+After a collective timed out, this process's group holds a collective that will never complete: destroying the
+group (explicitly, or when the interpreter exits and the last reference goes) joins gloo's threads, which wait for
+that collective until the peer answers or the group's own timeout (30 minutes by default) passes, so the process
+would outlive its error by that long. The error is a :class:`CollectiveError`, the monitor keeps it as
+:attr:`CollectiveMonitor.failure`, and the group is kept alive to the end of the process (:func:`keep_forever`):
+the exception reaches the user's script, the process exits as any failing script does, and the launcher stops
+the other ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 import threading
@@ -44,7 +48,15 @@ import torch.distributed as dist
 from .board import Board
 from .errors import CollectiveError, DistributedError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor", "group_sequence", "no_python_in_work", "to_seconds", "wait_work"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "CollectiveMonitor",
+    "group_sequence",
+    "keep_forever",
+    "no_python_in_work",
+    "to_seconds",
+    "wait_work",
+]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the other ranks, everywhere in paratrain
 EXIT_COLLECTIVE_FAILED = 1
@@ -103,6 +115,17 @@ def no_python_in_work() -> Iterator[None]:
         torch._C._stash_obj_in_tls(_TLS_KEY, stashed)
 
 
+def keep_forever(group: Any) -> None:
+    """Never destroy ``group``: it holds a collective that will not complete (see the module docstring).
+
+    HACK: one reference more than anything will release (the C API's Py_IncRef), so the group's destructor,
+    which would join gloo's threads blocked in the lost collective, never runs; the operating system reclaims
+    it with the process. tests/test_hangs.py checks that a job with a stalled rank still ends promptly (it fails
+    if a torch upgrade brings a destructor that waits elsewhere).
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
 def group_sequence(group: Any) -> int:
     """How many collectives ``group`` has run (torch counts them per group; equal on every rank at the same
     point of a correct program). 0 when the group does not count."""
@@ -149,6 +172,7 @@ class CollectiveMonitor:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
+        self._group = group if group is not None else dist.group.WORLD
         self.host_waits = dist.get_backend(group) != "nccl" if host_waits is None else host_waits
         self._seq = 0
         self.failure: str | None = None  # why a collective of this monitor timed out or failed
@@ -201,6 +225,7 @@ class CollectiveMonitor:
     def _failed(self, error: CollectiveError) -> CollectiveError:
         if self.failure is None:
             self.failure = str(error)
+            keep_forever(self._group)  # its teardown would wait for the collective that failed
         return error
 
     def _watch(self) -> None:
