@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -16,11 +17,11 @@ class DictStore:
         self.lock = threading.Lock()
         self.broken = False
 
-    def set(self, key: str, value: str) -> None:
+    def set(self, key: str, value: str | bytes) -> None:
         if self.broken:
             raise RuntimeError("store gone")
         with self.lock:
-            self.data[key] = value.encode()
+            self.data[key] = value.encode() if isinstance(value, str) else value
 
     def get(self, key: str) -> bytes:
         if self.broken:
@@ -53,7 +54,7 @@ def test_counts_published_by_the_thread_name_who_is_behind():
         boards[0].post(5)
         boards[1].post(5)
         boards[2].post(3)
-        _wait_for(lambda: boards[0].read().get(2, (0, 0))[0] == 3 and boards[0].read().get(1, (0, 0))[0] == 5)
+        _wait_for(lambda: boards[0].read()[2]["seq"] == 3 and boards[0].read()[1]["seq"] == 5)
         assert boards[0].behind(5) == ([2], [])
         assert boards[0].behind(3) == ([], [])
         assert set(boards[2].read()) == {0, 1}  # every other rank, never itself
@@ -66,7 +67,7 @@ def test_a_rank_whose_heartbeat_stops_is_silent_and_a_live_one_is_not():
     store = DictStore()
     boards = _boards(store, 2)
     try:
-        _wait_for(lambda: 1 in boards[0].read() and boards[0].read()[1] != (0, 0))
+        _wait_for(lambda: boards[0].read()[1]["beat"] > 0)
         assert boards[0].silent(watch=0.2) == ([], [])
         boards[1].close()  # its thread stops: no heartbeat from now on
         assert boards[0].silent(watch=0.2) == ([1], [])
@@ -103,3 +104,18 @@ def test_the_watch_callback_runs_on_every_beat():
         _wait_for(lambda: len(beats) >= 3)
     finally:
         board.close()
+
+
+def test_an_entry_says_where_the_rank_runs_and_what_its_monitor_reports():
+    store = DictStore()
+    board = Board(store, "t", 0, [0, 1], interval=0.02, status=lambda: {"in": [4, "barrier"], "waited": 1.5})
+    other = Board(store, "t", 1, [0, 1], interval=30)
+    try:
+        _wait_for(lambda: other.read()[0]["beat"] > 0)
+        entry = other.read()[0]
+        assert entry["in"] == [4, "barrier"] and entry["waited"] == 1.5
+        assert entry["pid"] == os.getpid() and entry["host"]
+        assert set(board.read(everyone=True)) == {0, 1}
+    finally:
+        board.close()
+        other.close()

@@ -8,7 +8,8 @@ torchrun as it is, when those internals are not what it expects:
     torchrun reads a shutdown grace (``--shutdown-timeout``) but uses it only when it is interrupted: when a
     worker fails, and between restarts, its process context stops the other workers with a fixed 30 s grace.
     A stopped (SIGSTOP) or hung worker only goes with the SIGKILL at the end of it, so a hang that a rank had
-    detected and reported kept the job alive 30 s more. Every stop uses this grace instead.
+    detected and reported kept the job alive 30 s more. Every stop uses this grace instead, and a worker that is
+    stopped (which SIGTERM cannot reach) is killed at once.
 ``--fresh-store``
     The store the workers meet in (their ``MASTER_PORT``) is created once and kept across restarts, and the
     workers' keys carry no attempt prefix: restarted workers read the dead workers' gloo addresses and fail
@@ -23,10 +24,14 @@ torchrun as it is, when those internals are not what it expects:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .launch_config import EXIT_RENDEZVOUS_FAILED
@@ -43,9 +48,25 @@ def _one_grace(seconds: int) -> None:
 
     @functools.wraps(original)
     def close(self: Any, death_sig: Any = None, timeout: int = 30) -> Any:
+        _kill_the_stopped(self)
         return original(self, death_sig, seconds)
 
     PContext.close = close  # type: ignore[method-assign]
+
+
+def _kill_the_stopped(context: Any) -> None:
+    """SIGKILL the workers that are stopped (SIGSTOP): SIGTERM cannot reach them, so the grace would only wait."""
+    pids = getattr(context, "pids", None)
+    if not callable(pids):
+        return
+    for pid in dict(pids()).values():
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in ("T", "t"):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _fresh_store_per_round() -> None:

@@ -1,20 +1,28 @@
-"""The progress board: every rank's collective count and heartbeat, kept in the process group's store.
+"""The progress board: every rank's collectives, heartbeat and waiting time, kept in the process group's store.
 
-A background thread per rank publishes two numbers under one key, once a second: how many collectives the rank
-has launched, and a heartbeat. When a collective fails or times out, any rank can
-read the board and tell apart a rank that never launched the collective (its count is behind) from one that is
-silent (its heartbeat has stopped: stopped, hung in native code, or dead), and name them. The training step only
-sets a number; the store is written by the thread, once a second.
+A background thread per rank publishes one entry under one key, once a second: how many collectives the rank has
+launched, a heartbeat, the collective it is waiting in (or the last it finished), how long it has waited in
+collectives so far, and where it runs (host, pid). When a collective fails or times out, any rank can read the
+board and tell apart a rank that never launched the collective (its count is behind) from one that is silent (its
+heartbeat has stopped: stopped, hung in native code, or dead), and name them. The training step only sets numbers;
+the store is written by the thread, once a second.
 
-    board = Board(store, "ddp0", rank=0, global_ranks=[0, 1, 2])
+The same thread answers the job's questions: at every beat it runs the ``on_beat`` callback (the collective
+watchdog, the hang report's request: see :mod:`paratrain.hang_report`).
+
+    board = Board(store, "ddp0", rank=0, global_ranks=[0, 1, 2], status=monitor.status)
     board.post(17)                   # launched collective 17
     board.behind(17)                 # global ranks whose count is below 17
     board.silent()                   # global ranks whose heartbeat did not move for a while, and unreadable ones
+    board.read()                     # every other rank's entry, by global rank
     board.close()
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +31,7 @@ from typing import Any
 __all__ = ["HEARTBEAT_S", "Board"]
 
 HEARTBEAT_S = 1.0  # the heartbeat's period; a rank silent for a few of these is not running
+_HOST = socket.gethostname()
 
 
 class Board:
@@ -35,6 +44,7 @@ class Board:
         global_ranks: the group's members, as global ranks (the keys use them, so boards of different groups
             never share a key).
         on_beat: called by the thread at every heartbeat (the collective watchdog runs there).
+        status: what this rank publishes beside its count and heartbeat (a JSON-able dict), read every beat.
     """
 
     def __init__(
@@ -45,18 +55,24 @@ class Board:
         global_ranks: list[int],
         on_beat: Callable[[], None] | None = None,
         interval: float = HEARTBEAT_S,
+        status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        self._store = store
-        self._prefix = f"paratrain/{namespace}"
-        self._rank = rank
-        self._global_ranks = global_ranks
+        self.store = store
+        self.prefix = f"paratrain/{namespace}"
+        self.rank = rank
+        self.global_ranks = global_ranks
         self._on_beat = on_beat
-        self._interval = interval
+        self._status = status
+        self.interval = interval
         self._latest = 0
         self._beat = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"paratrain-{namespace}-board", daemon=True)
         self._thread.start()
+
+    @property
+    def global_rank(self) -> int:
+        return self.global_ranks[self.rank]
 
     def post(self, seq: int) -> None:
         """This rank launched collective ``seq``: published at the next heartbeat (the step never waits, nor wakes
@@ -74,41 +90,64 @@ class Board:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
-    def _key(self, group_rank: int) -> str:
-        return f"{self._prefix}/{self._global_ranks[group_rank]}"
+    def key(self, global_rank: int, what: str = "entry") -> str:
+        """The store key of ``what`` for ``global_rank`` under this board's namespace."""
+        return f"{self.prefix}/{what}/{global_rank}"
+
+    def entry(self) -> dict[str, Any]:
+        """This rank's entry as the thread publishes it."""
+        entry = {"seq": self._latest, "beat": self._beat, "host": _HOST, "pid": os.getpid(), "time": time.time()}
+        if self._status is not None:
+            entry.update(self._status())
+        return entry
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):  # one heartbeat an interval; close() cuts the wait short
+        if not self._publish():  # at once: a rank that stops in its first second is still on the board
+            return
+        while not self._stop.wait(self.interval):  # one heartbeat an interval; close() cuts the wait short
             self._beat += 1
             if self._on_beat is not None:
                 self._on_beat()
-            try:
-                self._store.set(self._key(self._rank), f"{self._latest} {self._beat}")
-            except Exception:  # the store went away (shutdown, or its host died): nothing left to report to
+            if not self._publish():
                 return
 
-    def read(self) -> dict[int, tuple[int, int] | None]:
-        """Every other rank's (count, heartbeat), by global rank; None where it cannot be read."""
-        entries: dict[int, tuple[int, int] | None] = {}
-        for group_rank, rank in enumerate(self._global_ranks):
-            if group_rank == self._rank:
+    def _publish(self) -> bool:
+        try:
+            self.store.set(self.key(self.global_rank), json.dumps(self.entry()))
+        except Exception:  # the store went away (shutdown, or its host died): nothing left to report to
+            return False
+        return True
+
+    def read(self, *, everyone: bool = False) -> dict[int, dict[str, Any] | None]:
+        """Every other rank's entry (``everyone``: this rank's too), by global rank; None where it cannot be read,
+        and ``{"seq": 0, "beat": 0}`` for a rank that has not published yet."""
+        entries: dict[int, dict[str, Any] | None] = {}
+        for group_rank, rank in enumerate(self.global_ranks):
+            if group_rank == self.rank and not everyone:
                 continue
-            key = self._key(group_rank)
+            key = self.key(rank)
             try:
-                if not self._store.check([key]):
-                    entries[rank] = (0, 0)  # has not published yet
+                if not self.store.check([key]):
+                    entries[rank] = {"seq": 0, "beat": 0}
                     continue
-                count, beat = self._store.get(key).decode().split()
-                entries[rank] = (int(count), int(beat))
+                entries[rank] = json.loads(self.store.get(key).decode())
             except Exception:
                 entries[rank] = None
         return entries
+
+    def read_one(self, global_rank: int) -> dict[str, Any] | None:
+        """``global_rank``'s entry; None when it has not published yet or cannot be read."""
+        try:
+            key = self.key(global_rank)
+            return json.loads(self.store.get(key).decode()) if self.store.check([key]) else None
+        except Exception:
+            return None
 
     def behind(self, seq: int) -> tuple[list[int], list[int]]:
         """Global ranks whose count is below ``seq`` (they never launched collective ``seq``), and those whose
         entry could not be read (the store is unreachable)."""
         entries = self.read()
-        missing = [rank for rank, entry in entries.items() if entry is not None and entry[0] < seq]
+        missing = [rank for rank, entry in entries.items() if entry is not None and entry["seq"] < seq]
         unknown = [rank for rank, entry in entries.items() if entry is None]
         return missing, unknown
 
@@ -116,7 +155,12 @@ class Board:
         """Global ranks whose heartbeat does not move over ``watch`` seconds (default: about three beats), and those
         whose entry could not be read."""
         before = self.read()
-        time.sleep(3.2 * self._interval if watch is None else watch)
+        time.sleep(3.2 * self.interval if watch is None else watch)
         after = self.read()
         unknown = [rank for rank, entry in after.items() if entry is None]
-        return [rank for rank, entry in after.items() if entry is not None and entry == before.get(rank)], unknown
+        silent = [
+            rank
+            for rank, entry in after.items()
+            if entry is not None and (before.get(rank) or {}).get("beat") == entry["beat"]
+        ]
+        return silent, unknown

@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
+import itertools
 import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,6 +50,9 @@ import torch.distributed as dist
 
 from .board import Board
 from .errors import CollectiveError, DistributedError
+from .hang_report import Answerer, HangReport, gather
+from .mismatch import RING, WINDOW, call_site, divergence, first_drift
+from .stacks import arm_signal_dump
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -59,6 +65,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the other ranks, everywhere in paratrain
+DEFAULT_REPORT = "paratrain-hang-report.json"  # where a hang report goes unless told (the current directory)
 EXIT_COLLECTIVE_FAILED = 1
 
 
@@ -166,7 +173,13 @@ class CollectiveMonitor:
     """
 
     def __init__(
-        self, group: Any, timeout: float | timedelta | None, namespace: str, *, host_waits: bool | None = None
+        self,
+        group: Any,
+        timeout: float | timedelta | None,
+        namespace: str,
+        *,
+        host_waits: bool | None = None,
+        report_path: str | None = None,
     ) -> None:
         self.timeout = to_seconds(timeout)
         self.rank = dist.get_rank(group)
@@ -174,13 +187,27 @@ class CollectiveMonitor:
         self.global_rank = dist.get_rank()
         self._group = group if group is not None else dist.group.WORLD
         self.host_waits = dist.get_backend(group) != "nccl" if host_waits is None else host_waits
+        self.report_path = report_path or DEFAULT_REPORT
         self._seq = 0
         self.failure: str | None = None  # why a collective of this monitor timed out or failed
+        self.waited = 0.0  # seconds this rank spent waiting in this monitor's collectives
+        self._in: tuple[int, str, float] | None = None  # the collective being waited for, and since when
+        self._done: tuple[int, str] | None = None  # the last one finished
+        # (our number, the group's number, what) of the latest collectives: the board shows the last RING, a report
+        # the WINDOW of them (which of the group's collectives were paratrain's, and what each was)
+        self._history: deque[list[Any]] = deque(maxlen=WINDOW)
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()
+        self._dump = arm_signal_dump()  # a rank stuck in native code can still show its stacks
+        if not faulthandler.is_enabled():  # a backend that aborts the process (gloo on mismatched sizes) shows where
+            faulthandler.enable(all_threads=True)
         store = _default_store() if self.timeout is not None else None
         global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
-        self._board = Board(store, namespace, self.rank, global_ranks, self._watch) if store is not None else None
+        self._board = None
+        self._answerer: Answerer | None = None
+        if store is not None:
+            self._board = Board(store, namespace, self.rank, global_ranks, self._beat, status=self.status)
+            self._answerer = Answerer(self._board, self._group, self.status)
 
     def close(self) -> None:
         """Stop the background thread; call before destroying the process group."""
@@ -191,9 +218,26 @@ class CollectiveMonitor:
     def launched(self) -> int:
         """Record that this rank launches its next collective; returns its number."""
         self._seq += 1
+        # the number the group gives the collective about to be launched: the same on every rank of a correct job
+        self._history.append([self._seq, group_sequence(self._group) + 1, ""])
         if self._board is not None:
             self._board.post(self._seq)
         return self._seq
+
+    def status(self, full: bool = False) -> dict[str, Any]:
+        """What the board publishes for this monitor: the collective waited in, the last finished, the waiting,
+        the latest collectives' numbers (``full``: the longer history a hang report carries, with what each was)."""
+        waiting = self._in
+        now = time.monotonic()
+        history = list(self._history)
+        return {
+            "in": [waiting[0], waiting[1], now - waiting[2]] if waiting else None,
+            "done": list(self._done) if self._done else None,
+            "waited": self.waited + (now - waiting[2] if waiting else 0.0),
+            "ring": [entry[:2] for entry in history[-RING:]],
+            "history": history if full else None,
+            "dump": self._dump,
+        }
 
     def wait(self, handle: Any, seq: int, what: str) -> Any:
         """Wait for a ``Work`` (from ``async_op=True``) or a future; DistributedError when it fails or times out.
@@ -214,13 +258,26 @@ class CollectiveMonitor:
                 self._pending.append(_Pending(handle, seq, what, time.monotonic() + self.timeout))
             handle.wait()  # nccl: the current stream waits for the collective; the host goes on
             return None
+        started = time.monotonic()
+        self._in = (seq, what, started)
+        self._describe(seq, what)
         try:
             finished = wait_work(handle, self.timeout)
         except RuntimeError as exc:
             raise self._failed(self.failure_error(seq, what, exc)) from exc
         if not finished:
             raise self._failed(self.timeout_error(seq, what))
+        self._in, self._done = None, (seq, what)
+        self.waited += time.monotonic() - started
         return None
+
+    def _describe(self, seq: int, what: str) -> None:
+        for entry in reversed(self._history):  # the latest, usually the last or one of the last few
+            if entry[0] == seq:
+                entry[2] = what
+                return
+            if entry[0] < seq:
+                return
 
     def _failed(self, error: CollectiveError) -> CollectiveError:
         if self.failure is None:
@@ -228,25 +285,85 @@ class CollectiveMonitor:
             keep_forever(self._group)  # its teardown would wait for the collective that failed
         return error
 
+    def _beat(self) -> None:
+        """At every heartbeat, on the board's thread: the watchdog, the report's requests, the drift check."""
+        self._watch()
+        if self._answerer is not None:
+            self._answerer.beat()
+        self._check_drift()
+
     def _watch(self) -> None:
-        """At every heartbeat, on the board's thread: drop finished collectives, end the process for an overdue one."""
+        """Drop finished collectives the host did not wait for; end the process for an overdue one."""
         with self._lock:
             self._pending = [p for p in self._pending if not p.work.is_completed()]
             overdue = next((p for p in self._pending if time.monotonic() > p.deadline), None)
         if overdue is None:
             return
         error = self._failed(self.timeout_error(overdue.seq, overdue.what))
+        self._leave(error)  # the host thread may be blocked in CUDA: only leaving ends the hang
+
+    def _check_drift(self) -> None:
+        """Compare this rank's collective numbers with a peer's; end the job, with a report, where they part."""
+        board = self._board
+        if board is None or self.world_size < 2 or self.failure is not None:
+            return
+        peer = board.global_ranks[1 if board.rank == 0 else 0]
+        entry = board.read_one(peer)
+        drift = first_drift([e[:2] for e in self._history][-RING:], (entry or {}).get("ring") or [])
+        if drift is None:
+            return
+        seq, here, there = drift
+        ahead, behind = (self.global_rank, peer) if here > there else (peer, self.global_rank)
+        what = (
+            f"ranks ran different collectives: paratrain's collective #{seq} is the group's #{here} on rank "
+            f"{self.global_rank} but #{there} on rank {peer}, so rank {ahead} ran {abs(here - there)} collective(s) "
+            f"rank {behind} did not (a torch.distributed call under a condition on the rank?)"
+        )
+        report = self._report(seq, what, seqs=range(max(1, min(here, there) - WINDOW), max(here, there) + 1))
+        error = self._failed(
+            CollectiveError(f"rank {self.global_rank}: {what}{_parted(report)}{_report_suffix(report)}")
+        )
+        self._leave(error, report)
+
+    def _leave(self, error: CollectiveError, report: HangReport | None = None) -> None:
+        """End this process from the board's thread, with the error and the report on stderr (exit code 1)."""
+        if report is not None:
+            print(report.render(), file=sys.stderr, flush=True)
         print(f"paratrain: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(EXIT_COLLECTIVE_FAILED)  # the host thread may be blocked in CUDA: only leaving ends the hang
+        os._exit(EXIT_COLLECTIVE_FAILED)
+
+    def _report(self, seq: int, what: str, seqs: range | None = None) -> HangReport | None:
+        """Gather the hang report and write it, from one rank of the job (the first to notice); None elsewhere."""
+        board = self._board
+        if board is None:
+            return None
+        try:
+            first = board.store.add(f"{board.prefix}/reporters", 1) == 1
+        except Exception:
+            first = True  # the store is gone: this rank describes what it can
+        if not first:
+            return None
+        report = gather(board, self._group, self.status(True), seq=seq, what=what, timeout=self.timeout, seqs=seqs)
+        try:
+            report.write(self.report_path)
+        except OSError as exc:
+            report.path = None
+            print(f"paratrain: could not write the hang report to {self.report_path}: {exc}", file=sys.stderr)
+        return report
 
     def timeout_error(self, seq: int, what: str) -> CollectiveError:
-        """The error for collective ``seq`` not completing in time, naming the ranks that did not arrive."""
+        """The error for collective ``seq`` not completing in time, naming the ranks that did not arrive; the first
+        rank to notice gathers the hang report (every rank's state, collective and stacks) and prints it."""
         if self._board is None:
-            who = "the process group has no store to tell which ranks are missing"
+            who, report = "the process group has no store to tell which ranks are missing", None
         else:
             missing, unknown = self._board.behind(seq)
-            silent, _ = self._board.silent()
+            report = self._report(seq, f"{what} (collective #{seq}) did not complete within {self.timeout:g}s")
+            if report is not None:
+                silent = [r.rank for r in report.ranks if not r.answered and not r.beating]
+            else:
+                silent, _ = self._board.silent()
             if missing:
                 who = f"rank(s) {_ranks(missing)} did not arrive"
                 quiet = [r for r in missing if r in silent]
@@ -260,24 +377,55 @@ class CollectiveMonitor:
                 who = "the store is unreachable"
             if unknown:
                 who += f" (rank(s) {_ranks(unknown)} could not be asked: the store is unreachable)"
+        if report is not None:
+            print(report.render(), file=sys.stderr, flush=True)
         return CollectiveError(
             f"rank {self.global_rank}: {what} (collective #{seq}) did not complete within {self.timeout:g}s: {who}. "
             f"Check those processes (stuck, crashed, or skipping a forward/backward the others ran); use "
             f"join() for uneven inputs; raise the limit with timeout=... (paratrain train --timeout)"
+            f"{_report_suffix(report)}"
         )
 
     def failure_error(self, seq: int, what: str, exc: BaseException) -> CollectiveError:
         """The error for collective ``seq`` failing (a peer closed its connection, say), naming silent ranks."""
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        who = ""
+        who, report = "", None
         if self._board is not None:
-            silent, unknown = self._board.silent()
+            report = self._report(seq, f"{what} (collective #{seq}) failed ({reason})")
+            if report is not None:
+                silent = [r.rank for r in report.ranks if not r.answered and not r.beating]
+                unknown = [r.rank for r in report.ranks if r.state.startswith("unknown")]
+                print(report.render(), file=sys.stderr, flush=True)
+            else:
+                silent, unknown = self._board.silent()
             if silent:
                 who = f": rank(s) {_ranks(silent)} stopped responding (their process probably exited; see its error)"
             elif unknown:
                 who = ": the store is unreachable, so its host (the launcher, or rank 0) is probably gone"
-        return CollectiveError(f"rank {self.global_rank}: {what} (collective #{seq}) failed{who} ({reason})")
+        return CollectiveError(
+            f"rank {self.global_rank}: {what} (collective #{seq}) failed{who} ({reason}){_report_suffix(report)}"
+        )
 
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
+
+
+def _report_suffix(report: HangReport | None) -> str:
+    return f". Hang report (every rank's state, collective and stacks): {report.path}" if report and report.path else ""
+
+
+def _parted(report: HangReport | None) -> str:
+    """Where the ranks parted, from their Flight Recorder entries: the first collective number they disagree on."""
+    if report is None:
+        return ""
+    answered = [r for r in report.ranks if r.answered and r.collectives]
+    for first, second in itertools.pairwise(answered):
+        found = divergence(first.collectives, second.collectives)
+        if found is not None:
+            here, there = found
+            return (
+                f". They parted at the group's collective #{here['seq']}: rank {first.rank} ran "
+                f"{call_site(here, first.history)}, rank {second.rank} ran {call_site(there, second.history)}"
+            )
+    return ""

@@ -41,6 +41,7 @@ import sys
 from collections.abc import Sequence
 
 from .errors import ConfigError, DistributedError
+from .flight_recorder import small_buffer_unless_set
 from .launch_config import EXIT_RENDEZVOUS_FAILED, LaunchConfig, local_world_size, parse_endpoint
 from .supervise import supervise
 
@@ -142,6 +143,7 @@ def _worker_env(config: LaunchConfig) -> dict[str, str]:
     env = dict(os.environ)
     if config.is_single_node and "lo" in {name for _, name in socket.if_nameindex()}:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own connections: on loopback too, not the LAN address
+    small_buffer_unless_set(env)  # torch's Flight Recorder: cheap to read when ranks disagree (paratrain.mismatch)
     if "OMP_NUM_THREADS" not in env:
         cores = os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, local_world_size(config.nproc_per_node))))

@@ -160,6 +160,11 @@ class Parallel:
             label += "".join(f"\nloader {i}: {loader.path}" for i, loader in enumerate(live, start=1))
         return label
 
+    @property
+    def collective_wait_seconds(self) -> float:
+        """Seconds this process has spent waiting for the other processes in collectives (0 in one process)."""
+        return self.strategy.collective_wait_seconds
+
     def world_devices(self) -> list[str]:
         """Every device of every process, in rank order (a collective under ddp: call it in every process)."""
         return self.strategy.world_devices()

@@ -146,6 +146,12 @@ class Strategy(ABC):
                 f"its gradient synchronisation; pass the model that par.prepare(model) returned"
             )
 
+    @property
+    def collective_wait_seconds(self) -> float:
+        """Seconds this process has spent waiting in collectives (0 in one process): a rank the others wait for
+        (a straggler) waits least."""
+        return 0.0
+
     def world_devices(self) -> list[str]:
         """Every device of every process, in rank order (this process's devices in one process)."""
         return [str(d) for d in self.devices]

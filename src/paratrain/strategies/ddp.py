@@ -21,6 +21,7 @@ from ..collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, group_sequence
 from ..distributed import DistributedDataParallel
 from ..environment import ClusterEnvironment
 from ..errors import ConfigError
+from ..flight_recorder import small_buffer_unless_set
 from ..scatter_gather import shard
 from .base import ReduceOp, Strategy
 
@@ -94,6 +95,7 @@ class DistributedStrategy(Strategy):
                 self._device = torch.device("cuda", env.local_rank)
                 torch.cuda.set_device(self._device)
             backend = "nccl" if use_cuda else "gloo"
+            small_buffer_unless_set()  # torch's Flight Recorder, read when ranks disagree: small is cheap to read
             _init_process_group(env, backend, timedelta(seconds=max(self._timeout, 60.0)))
             self._owns_group = True
         elif dist.get_backend() == "nccl":
@@ -108,6 +110,11 @@ class DistributedStrategy(Strategy):
         """Why a collective of this strategy (or of a model it wrapped) timed out or failed, if one did."""
         monitors = [w.monitor for w in self._ddp] + ([self._monitor] if self._monitor is not None else [])
         return next((m.failure for m in monitors if m.failure is not None), None)
+
+    @property
+    def collective_wait_seconds(self) -> float:
+        monitors = [w.monitor for w in self._ddp] + ([self._monitor] if self._monitor is not None else [])
+        return sum(m.waited for m in monitors)
 
     def teardown(self, clean: bool = True) -> None:
         failure = self.failure

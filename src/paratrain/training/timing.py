@@ -101,21 +101,24 @@ class StepTimer:
 
 
 def time_breakdown(par: Parallel, timer: StepTimer) -> dict[str, Any]:
-    """Every rank's average seconds per step in each phase, and each phase's share of the step.
+    """Every rank's average seconds per step in each phase, each phase's share of the step, and the seconds the rank
+    waited for the others in collectives (the rank that waits least is the one the others wait for).
 
     A collective under ddp (one gather of a small tensor): call it in every process.
     """
     timer.flush()
-    mine = torch.tensor([[timer.steps, *(timer.totals[p] for p in PHASES)]], dtype=torch.float64, device=par.device)
+    row = [timer.steps, par.collective_wait_seconds, *(timer.totals[p] for p in PHASES)]
+    mine = torch.tensor([row], dtype=torch.float64, device=par.device)
     ranks = []
     for rank, row in enumerate(par.gather(mine).tolist()):
-        steps, seconds = int(row[0]), row[1:]
+        steps, waited, seconds = int(row[0]), row[1], row[2:]
         step = sum(seconds)
         ranks.append(
             {
                 "rank": rank,
                 "steps": steps,
                 "step_seconds": step / steps if steps else 0.0,
+                "collective_wait_seconds": waited,
                 "seconds": {p: s / steps if steps else 0.0 for p, s in zip(PHASES, seconds, strict=True)},
                 "shares": {p: s / step if step else 0.0 for p, s in zip(PHASES, seconds, strict=True)},
             }
