@@ -1,0 +1,160 @@
+"""Our DistributedDataParallel keeps torch's contract: torch's behavioural DDP tests, written for the CPU.
+
+torch's own suite (distributed_test.py) runs most of its DDP tests only with two GPUs; these are the same
+behaviours on the CPU with gloo at world size 2, with torch's DDP as the oracle in the same processes
+(tests/ddp_fidelity_scenarios.py). scripts/torch_ddp_suite.py runs torch's suite itself against ours.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import ddp_fidelity_scenarios as scenarios
+from processes import run_ranks
+
+WORLD = 2
+SCENARIOS = (
+    scenarios.no_sync_with_unused,
+    scenarios.create_graph,
+    scenarios.pickling,
+    scenarios.refuses_frozen_modules,
+    scenarios.static_graph,
+    scenarios.outside_forward_without_static_graph,
+    scenarios.control_flow,
+    scenarios.outputs_and_graphs,
+    scenarios.inference_and_buffers,
+    scenarios.start_up_states,
+    scenarios.join_options,
+    scenarios.comm_hooks,
+    scenarios.surface,
+)
+
+
+def _all(rank: int, world: int) -> dict:
+    """Every scenario in one set of processes (starting them is the slow part)."""
+    return {scenario.__name__: scenario(rank, world) for scenario in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_ranks(_all, WORLD, tmp_path_factory.mktemp("fidelity"), timeout=240)
+
+
+def _agree(found: dict, tolerance: float = 1e-6) -> None:
+    """Ours trained like torch's, the replicas agree, and training moved the parameters (a real comparison)."""
+    assert found["grads"] < tolerance and found["params"] < tolerance, found
+    assert found["spread"] < tolerance, found
+    assert found["moved"] > 1e-3, found
+
+
+@pytest.mark.processes
+def test_no_sync_with_unused_parameters_averages_what_any_micro_batch_used(ranks):
+    for found in (r["no_sync_with_unused"] for r in ranks):
+        assert found["vs_torch"] == 0.0
+        assert found["ours_none"] == [False] * 8  # every layer was used by some rank since the last sync
+        assert found["ours_spread"] == 0.0 and found["torch_spread"] == 0.0
+
+
+@pytest.mark.processes
+def test_backward_with_create_graph(ranks):
+    for found in (r["create_graph"] for r in ranks):
+        _agree(found)
+        assert found["grad_in_graph"]
+
+
+@pytest.mark.processes
+def test_a_pickled_model_trains_on_like_the_original(ranks):
+    for found in (r["pickling"] for r in ranks):
+        assert found["moved"] > 1e-3
+        assert found["loaded_vs_kept"] == 0.0 and found["copied_vs_kept"] == 0.0
+        assert found["loaded_spread"] == 0.0 and found["loaded_type"] == "DistributedDataParallel"
+        assert "other than the default one cannot be pickled" in found["subgroup_error"]
+
+
+@pytest.mark.processes
+def test_a_module_without_trainable_parameters_is_refused(ranks):
+    for found in (r["refuses_frozen_modules"] for r in ranks):
+        assert "DistributedError" in found["empty"] and "no parameters at all" in found["empty"]
+        assert "2 parameter(s), none requiring a gradient" in found["frozen"]
+
+
+@pytest.mark.processes
+def test_static_graph(ranks):
+    for found in (r["static_graph"] for r in ranks):
+        _agree(found["static"])
+        assert "static_graph=True, but" in found["changed_error"]
+        assert "'spare.bias' received more gradients" in found["changed_error"]
+
+
+@pytest.mark.processes
+def test_a_parameter_used_outside_forward_needs_static_graph(ranks):
+    for message in (r["outside_forward_without_static_graph"] for r in ranks):
+        assert "'outside' received a gradient after it was marked ready" in message
+        assert "static_graph=True" in message
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("flow", ["same", "different"])
+def test_control_flow_across_ranks(ranks, flow):
+    for found in (r["control_flow"][flow] for r in ranks):
+        _agree(found)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("case", ["shared_accumulator", "nested_find_unused", "nested_static"])
+def test_outputs_and_graphs(ranks, case):
+    for found in (r["outputs_and_graphs"][case] for r in ranks):
+        _agree(found)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("setting", ["default", "forward_sync_off"])
+def test_inference_between_steps_and_buffers(ranks, setting):
+    for found in (r["inference_and_buffers"][setting] for r in ranks):
+        _agree(found)
+        assert found["buffers_vs_torch"] < 1e-6  # torch's rule: a forward after inference broadcasts none
+
+
+@pytest.mark.processes
+def test_start_up_copies_rank_0s_states_as_each_setting_says(ranks):
+    for found in (r["start_up_states"] for r in ranks):
+        assert found["default"] == {"params": 0.0, "buffers": 0.0}
+        assert found["init_sync_off"]["params"] > 0.0 and found["init_sync_off"]["buffers"] > 0.0
+        assert found["broadcast_buffers_off"] == {"params": 0.0, "buffers": 1.0}
+        assert found["forward_sync_off"] == {"params": 0.0, "buffers": 0.0}
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("option", ["default", "divide_by_active"])
+def test_join_with_uneven_inputs_ends_like_torch(ranks, option):
+    assert [r["join_options"][option]["done"] for r in ranks] == [2, 4]
+    for found in (r["join_options"][option] for r in ranks):
+        assert found["vs_torch"] < 1e-6 and found["spread"] == 0.0
+
+
+@pytest.mark.processes
+def test_join_options_throw_and_disable(ranks):
+    for found in (r["join_options"] for r in ranks):
+        assert "1 rank(s) ran out of inputs" in found["throw"]
+        assert found["disabled"]
+
+
+@pytest.mark.processes
+def test_torchs_comm_hooks_and_hooks_returning_futures(ranks):
+    for found in (r["comm_hooks"] for r in ranks):
+        assert found["allreduce"] < 1e-6 and found["chained"] < 1e-6
+        assert "register_comm_hook can be called once" in found["twice"]
+
+
+@pytest.mark.processes
+def test_torchs_surface_supported_or_refused_by_name(ranks):
+    for rank, found in enumerate(ranks):
+        r = found["surface"]
+        for name in ("delay_all_reduce_named_params", "mixed_precision", "bucket_cap_mb_list"):
+            assert f"does not support {name}" in r[name]
+        assert r["check_reduction_warns"]
+        assert r["device_mesh"]["grads"] < 1e-6 and r["device_mesh"]["spread"] == 0.0
+        if rank == 0:
+            assert r["solo_group"]
+        else:
+            assert "rank 1 is not a member of the process_group" in r["non_member"]
