@@ -158,3 +158,31 @@ def test_torchs_surface_supported_or_refused_by_name(ranks):
             assert r["solo_group"]
         else:
             assert "rank 1 is not a member of the process_group" in r["non_member"]
+
+
+@pytest.mark.processes
+def test_torchs_own_suite_runs_against_our_class_in_every_rank(tmp_path):
+    """scripts/torch_ddp_suite.py swaps the class in each spawned rank: counted there, per class, per rank."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "scripts" / "torch_ddp_suite.py"
+    out = tmp_path / "suite.json"
+    name = "test_grads_same_across_ranks_with_no_sync"
+    done = subprocess.run(
+        [sys.executable, str(script), "-k", name, "--impl", "ours", "--json", str(out), "--log", str(tmp_path / "log")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # expecttest missing: pip install -e '.[dev]'
+    found = json.loads(out.read_text())[name]["ours"]
+    assert found["result"] == "PASS", found
+    assert [r["rank"] for r in found["ranks"]] == [0, 1]
+    for r in found["ranks"]:
+        # both classes' constructors and forwards are counted: only ours ran, as the test wrote it (1 model, 2 steps)
+        assert r["calls"] == {"torch init": 0, "torch forward": 0, "ours init": 1, "ours forward": 2}, r
+        assert set(r["resolved"].values()) == {"paratrain.distributed.DistributedDataParallel"}
+    assert f"{name}  -      PASS" in done.stdout

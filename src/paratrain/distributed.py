@@ -349,6 +349,12 @@ class DistributedDataParallel(nn.Module):
 
     def _set_static_graph(self) -> None:
         """torch's private, older spelling of ``static_graph=True``, for code written against it; before training."""
+        if self.reducer.synchronised_steps:
+            raise DistributedError(
+                f"_set_static_graph() should be called before training loop starts (as torch's says); "
+                f"{self.reducer.synchronised_steps} synchronised backward(s) ran already: pass static_graph=True "
+                f"to the constructor instead"
+            )
         self.static_graph = True
         self.reducer.static_graph = self.reducer.track_used = True
         self.reducer._reset()

@@ -92,6 +92,7 @@ class Reducer:
         self.hook: CommHook | None = None
         self.hook_state: Any = group
         self.state = _IDLE
+        self.synchronised_steps = 0  # backwards that averaged gradients: static_graph can no longer be turned on
         self._retired: list[Any] = []  # the last step's handles (see _retire)
         self._extra: list[Any] = []  # this step's handles outside the buckets (the unused-parameter map)
         self._reset()
@@ -290,6 +291,7 @@ class Reducer:
                 self._expected, self._static_used = self._calls, used
             if self.track_used:
                 self._used_since_sync = [False] * len(self.params)
+            self.synchronised_steps += 1
         finally:
             self.state = _IDLE
             self._callback_queued = False
