@@ -460,6 +460,14 @@ def surface(rank: int, world: int) -> dict[str, Any]:
         return model(torch.full((1, 2), float(rank + i))).sum()
 
     found["device_mesh"] = against_torch(lambda: nn.Linear(2, 2), step, 2, rank, device_mesh=mesh)
+    found["subgroup"] = against_torch(lambda: nn.Linear(2, 2), step, 2, rank, process_group=dist.new_group([0, 1]))
+    from torch.distributed.algorithms.join import Join
+
+    try:
+        Join([Ours(nn.Linear(2, 2))])
+        found["torch_join"] = None
+    except ConfigError as exc:
+        found["torch_join"] = str(exc)
     solo = dist.new_group([0])
     if rank == 0:  # a group of one: the gradient is this rank's own
         model = Ours(nn.Linear(2, 2), process_group=solo)

@@ -153,7 +153,9 @@ def test_torchs_surface_supported_or_refused_by_name(ranks):
         for name in ("delay_all_reduce_named_params", "mixed_precision", "bucket_cap_mb_list"):
             assert f"does not support {name}" in r[name]
         assert r["check_reduction_warns"]
-        assert r["device_mesh"]["grads"] < 1e-6 and r["device_mesh"]["spread"] == 0.0
+        for group in ("device_mesh", "subgroup"):
+            assert r[group]["grads"] < 1e-6 and r[group]["spread"] == 0.0 and r[group]["moved"] > 1e-3
+        assert "use its own context manager, `with model.join(...):`" in r["torch_join"]
         if rank == 0:
             assert r["solo_group"]
         else:

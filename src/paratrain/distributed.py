@@ -287,7 +287,7 @@ class DistributedDataParallel(nn.Module):
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
         authority = self._join.announce(sync) if self._join is not None else 0
-        if self.forward_sync_buffers and self.require_forward_param_sync:
+        if self.forward_sync_buffers and self.require_forward_param_sync:  # will_sync_module_buffers()
             self._broadcast(list(self.module.buffers()), "buffer broadcast", src=authority)
         if grad:  # a forward without autograd (evaluation mid-step) leaves the pending backward's state alone
             self.reducer.prepare(sync)
@@ -322,6 +322,18 @@ class DistributedDataParallel(nn.Module):
         nothing; ``throw_on_early_termination=True`` raises on every rank as soon as one runs out. As torch's.
         """
         return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refused: torch's generic ``torch.distributed.algorithms.Join([...])`` needs torch's Joinable protocol."""
+        raise ConfigError(
+            "paratrain's DistributedDataParallel does not take part in torch.distributed.algorithms.Join (the "
+            "generic join over several Joinables): use its own context manager, `with model.join(...):`"
+        )
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers (torch's rule: only after a synchronising forward)."""
+        has_buffers = next(self.module.buffers(), None) is not None
+        return self.require_forward_param_sync and self.forward_sync_buffers and has_buffers
 
     def _sync_final_model(self, last_to_finish: bool) -> None:
         """After join: the parameters and buffers of the highest rank among the last to finish, everywhere."""
