@@ -433,6 +433,27 @@ def comm_hooks(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
+def ignored_parameters(rank: int, world: int) -> dict[str, Any]:
+    """torch's test_ddp_ignore_params_arg: parameters and buffers the module asks DDP to leave alone stay local."""
+
+    def make() -> nn.Module:
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+        Ours._set_params_and_buffers_to_ignore_for_model(model, ["0.weight", "1.running_mean"])
+        return model
+
+    def step(model: nn.Module, i: int, rank: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(10 * i + rank)
+        return model(torch.randn(4, 3, generator=g)).pow(2).mean()
+
+    found: dict[str, Any] = against_torch(make, step, 3, rank)
+    model = Ours(make())
+    step(model, 0, rank).backward()
+    inner = model.module
+    found["ignored_spread"] = spread([inner[0].weight.grad, inner[1].running_mean])
+    found["kept_spread"] = spread([inner[0].bias.grad, inner[2].weight.grad])
+    return found
+
+
 def surface(rank: int, world: int) -> dict[str, Any]:
     """The arguments refused by name, the ones accepted, a one-dimensional device mesh, a subgroup."""
     found: dict[str, Any] = {}

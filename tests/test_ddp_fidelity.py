@@ -26,6 +26,7 @@ SCENARIOS = (
     scenarios.start_up_states,
     scenarios.join_options,
     scenarios.comm_hooks,
+    scenarios.ignored_parameters,
     scenarios.surface,
 )
 
@@ -188,3 +189,10 @@ def test_torchs_own_suite_runs_against_our_class_in_every_rank(tmp_path):
         assert r["calls"] == {"torch init": 0, "torch forward": 0, "ours init": 1, "ours forward": 2}, r
         assert set(r["resolved"].values()) == {"paratrain.distributed.DistributedDataParallel"}
     assert f"{name}  -      PASS" in done.stdout
+
+
+@pytest.mark.processes
+def test_parameters_and_buffers_the_module_asks_ddp_to_ignore_stay_local(ranks):
+    for found in (r["ignored_parameters"] for r in ranks):
+        assert found["grads"] < 1e-6 and found["params"] < 1e-6 and found["moved"] > 1e-3
+        assert found["ignored_spread"] > 0.0 and found["kept_spread"] == 0.0

@@ -1,12 +1,13 @@
-"""What DistributedDataParallel decides from torch's constructor arguments, before any collective runs.
+"""What DistributedDataParallel decides from torch's constructor arguments, and checks across ranks at start-up.
 
-Each function takes arguments as torch's ``DistributedDataParallel`` spells them and either returns what ours
-does with them or raises an error that names the argument: an argument ours does not implement is never
-accepted silently. ``docs/ddp.md`` has the whole table.
+Each argument function takes arguments as torch's ``DistributedDataParallel`` spells them and either returns
+what ours does with them or raises an error that names the argument: an argument ours does not implement is
+never accepted silently. ``docs/ddp.md`` has the whole table.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
 import warnings
@@ -17,10 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import group_sequence, wait_work
 from .devices import DeviceLike, parse_device
 from .errors import ConfigError, DeviceError, DistributedError
 
 __all__ = [
+    "agree_at_start_up",
     "buffer_settings",
     "check_device",
     "choose_group",
@@ -59,11 +62,13 @@ def warn_check_reduction(check_reduction: bool) -> None:
         )
 
 
-def require_trainable(module: nn.Module) -> None:
+def require_trainable(module: nn.Module, ignored: frozenset[str] = frozenset()) -> None:
     """A module DDP can average: some parameter requires a gradient, and none is a lazy one still uninitialised."""
-    params = list(module.parameters())
+    params = [p for name, p in module.named_parameters() if name not in ignored]
     if not any(p.requires_grad for p in params):
         found = f"{len(params)} parameter(s), none requiring a gradient" if params else "no parameters at all"
+        if ignored:
+            found += f" besides the {len(ignored)} it asks DDP to ignore"
         raise DistributedError(
             f"DistributedDataParallel needs a module with a parameter that requires a gradient (it averages "
             f"gradients); {type(module).__name__} has {found}. Wrap a trainable module, or use the module as it "
@@ -140,6 +145,34 @@ def buffer_settings(broadcast_buffers: bool | None, forward_sync_buffers: bool |
 
 def _torch_deprecates_broadcast_buffers() -> bool:
     return "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+
+
+def agree_at_start_up(group: Any, signature: list[Any], timeout: float | None, device: torch.device) -> str:
+    """Check that every rank holds the same parameters (``signature``: names, shapes, dtypes); return the
+    namespace of the wrapper's collective monitor.
+
+    One all-gather carries a digest of the signature and how many collectives the group has run (torch counts
+    them per group). The namespace is built from the largest count: the same on every rank, and larger than that
+    of any earlier wrapper over the group, so its store keys can neither drift apart across ranks nor collide
+    with another wrapper's.
+    """
+    world_size = dist.get_world_size(group)
+    digest = int.from_bytes(hashlib.sha256(repr(signature).encode()).digest()[:7], "big")
+    mine = torch.tensor([digest, group_sequence(group)], dtype=torch.int64, device=device)
+    everyone = [torch.zeros_like(mine) for _ in range(world_size)]
+    work = dist.all_gather(everyone, mine, group=group, async_op=True)
+    if not wait_work(work, timeout):
+        raise DistributedError(
+            f"rank {dist.get_rank()}: the start-up check of DistributedDataParallel did not complete within "
+            f"{timeout:g}s: some rank of the group has not constructed its wrapper (or is stuck). Wrap the "
+            f"model in every process, at the same point of the script"
+        )
+    agreed = max(int(t[1]) for t in everyone)
+    if any(int(t[0]) != digest for t in everyone):
+        signatures: list[Any] = [None] * world_size
+        dist.all_gather_object(signatures, signature, group=group)
+        raise DistributedError(describe_mismatch(signatures))
+    return f"ddp-{group_name(group)}-{agreed}"
 
 
 def group_name(group: Any) -> str:

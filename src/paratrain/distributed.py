@@ -15,7 +15,6 @@ takes torch's arguments in torch's order (``ddp_setup.py``); ``docs/ddp.md`` lis
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, group_sequence, to_seconds, wait_work
+from .collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, group_sequence, to_seconds
 from .comm_hooks import CommHook
 from .ddp_setup import (
+    agree_at_start_up,
     buffer_settings,
     check_device,
     choose_group,
-    describe_mismatch,
     group_name,
     refuse_unsupported,
     require_trainable,
@@ -135,7 +134,10 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
         if not bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb must be positive; found {bucket_cap_mb}")
-        require_trainable(module)
+        # torch's way of keeping some parameters and buffers out of DDP, set on the module (see
+        # _set_params_and_buffers_to_ignore_for_model): never averaged nor broadcast
+        self.parameters_to_ignore = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        require_trainable(module, self.parameters_to_ignore)
         self.module = module
         self.process_group = choose_group(process_group, device_mesh)
         self._input_device = check_device(module, device_ids)
@@ -163,7 +165,7 @@ class DistributedDataParallel(nn.Module):
 
         self._attach(self._start_up(self._timeout) if init_sync else self._local_namespace("unsynced"))
         if init_sync:
-            states = list(module.parameters()) + (list(module.buffers()) if init_buffers else [])
+            states = self._synced(parameters=True, buffers=init_buffers)
             self._broadcast(states, "start-up broadcast of rank 0's state")
 
     def _attach(self, namespace: str) -> None:
@@ -172,7 +174,11 @@ class DistributedDataParallel(nn.Module):
         # stops the monitor's thread when the wrapper is collected, and at interpreter exit (weakref.finalize runs
         # from atexit, before finalization) for a wrapper still alive then and never closed
         self._finalizer = weakref.finalize(self, self.monitor.close)
-        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        named = [
+            (name, p)
+            for name, p in self.module.named_parameters()
+            if p.requires_grad and name not in self.parameters_to_ignore
+        ]
         self.reducer = Reducer(
             [p for _, p in named],
             [name for name, _ in named],
@@ -208,31 +214,28 @@ class DistributedDataParallel(nn.Module):
         return str(dist.get_backend(self.process_group))
 
     def _start_up(self, timeout: float | None) -> str:
-        """Check that every rank holds the same parameters (names, shapes, dtypes), and agree on a namespace.
+        """Check that every rank holds the same parameters, and agree on the monitor's namespace (ddp_setup.py)."""
+        signature = [
+            (name, tuple(p.shape), str(p.dtype))
+            for name, p in self.module.named_parameters()
+            if name not in self.parameters_to_ignore
+        ]
+        return agree_at_start_up(self.process_group, signature, timeout, self._control_device())
 
-        One all-gather carries a digest of the parameters and how many collectives the group has run (torch
-        counts them per group). The namespace of this wrapper's collective monitor is the largest count: the
-        same on every rank, and larger than that of any earlier wrapper over the group, so its store keys can
-        neither drift apart across ranks nor collide with another wrapper's.
-        """
-        signature = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.module.named_parameters()]
-        digest = int.from_bytes(hashlib.sha256(repr(signature).encode()).digest()[:7], "big")
-        sequence = group_sequence(self.process_group)
-        mine = torch.tensor([digest, sequence], dtype=torch.int64, device=self._control_device())
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        work = dist.all_gather(everyone, mine, group=self.process_group, async_op=True)
-        if not wait_work(work, timeout):
-            raise DistributedError(
-                f"rank {dist.get_rank()}: the start-up check of DistributedDataParallel did not complete within "
-                f"{timeout:g}s: some rank of the group has not constructed its wrapper (or is stuck). Wrap the "
-                f"model in every process, at the same point of the script"
-            )
-        agreed = max(int(t[1]) for t in everyone)
-        if any(int(t[0]) != digest for t in everyone):
-            signatures: list[Any] = [None] * self.world_size
-            dist.all_gather_object(signatures, signature, group=self.process_group)
-            raise DistributedError(describe_mismatch(signatures))
-        return f"ddp-{group_name(self.process_group)}-{agreed}"
+    def _synced(self, *, parameters: bool, buffers: bool) -> list[torch.Tensor]:
+        """The parameters and/or buffers DDP keeps equal across ranks: all but those the module asks to ignore."""
+        named: list[tuple[str, torch.Tensor]] = []
+        if parameters:
+            named += list(self.module.named_parameters())
+        if buffers:
+            named += list(self.module.named_buffers())
+        return [t for name, t in named if name not in self.parameters_to_ignore]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """torch's (private) way to keep parameters and buffers, by fully qualified name, out of DDP: call it on
+        the module before wrapping it. Those parameters are neither averaged nor broadcast."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore  # type: ignore[assignment]
 
     def _local_namespace(self, tag: str) -> str:
         """A monitor namespace agreed without communicating: the group's collective count, equal on every rank
@@ -288,7 +291,7 @@ class DistributedDataParallel(nn.Module):
         sync = grad and self.require_backward_grad_sync
         authority = self._join.announce(sync) if self._join is not None else 0
         if self.forward_sync_buffers and self.require_forward_param_sync:  # will_sync_module_buffers()
-            self._broadcast(list(self.module.buffers()), "buffer broadcast", src=authority)
+            self._broadcast(self._synced(parameters=False, buffers=True), "buffer broadcast", src=authority)
         if grad:  # a forward without autograd (evaluation mid-step) leaves the pending backward's state alone
             self.reducer.prepare(sync)
         if self._input_device is not None:
@@ -332,7 +335,7 @@ class DistributedDataParallel(nn.Module):
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts buffers (torch's rule: only after a synchronising forward)."""
-        has_buffers = next(self.module.buffers(), None) is not None
+        has_buffers = bool(self._synced(parameters=False, buffers=True))
         return self.require_forward_param_sync and self.forward_sync_buffers and has_buffers
 
     def _sync_final_model(self, last_to_finish: bool) -> None:
@@ -341,7 +344,7 @@ class DistributedDataParallel(nn.Module):
         seq = self.monitor.launched()
         work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
         self.monitor.wait(work, seq, "join: the last rank to finish")
-        self._broadcast(list(self.module.parameters()) + list(self.module.buffers()), "join: final model", int(mine))
+        self._broadcast(self._synced(parameters=True, buffers=True), "join: the final model", src=int(mine))
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``; once, as torch's.

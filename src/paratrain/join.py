@@ -48,6 +48,8 @@ class _Wrapper(Protocol):
 
     def _sync_final_model(self, last_to_finish: bool) -> None: ...
 
+    def _synced(self, *, parameters: bool, buffers: bool) -> list[torch.Tensor]: ...
+
 
 class Join:
     """The context manager returned by :meth:`DistributedDataParallel.join`.
@@ -124,7 +126,8 @@ class Join:
                     raise DistributedError(self._early_termination(active))
                 last_to_finish = False
                 if ddp.forward_sync_buffers and ddp.require_forward_param_sync:  # as the active ranks decide
-                    ddp._broadcast(list(ddp.module.buffers()), "buffer broadcast (joined rank)", src=authority)
+                    buffers = ddp._synced(parameters=False, buffers=True)
+                    ddp._broadcast(buffers, "buffer broadcast (joined rank)", src=authority)
                 ddp.require_forward_param_sync = syncing
                 if syncing:
                     ddp.reducer.shadow()
