@@ -203,6 +203,26 @@ class WithSpare(nn.Module):
         return self.used(x)
 
 
+class CheckpointedTwice(nn.Module):
+    """One layer run twice under reentrant activation checkpointing: its gradient arrives in two backwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.layer, x, use_reentrant=True)
+        return self.head(checkpoint(self.layer, torch.tanh(h), use_reentrant=True))
+
+
+def _checkpoint_step(model: nn.Module, i: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 * i + rank)
+    return model(torch.randn(3, 4, generator=g).requires_grad_()).pow(2).mean()
+
+
 def static_graph(rank: int, world: int) -> dict[str, Any]:
     """static_graph=True: unused parameters and one used outside forward, as torch's; and a graph that changes."""
 
@@ -211,7 +231,10 @@ def static_graph(rank: int, world: int) -> dict[str, Any]:
         inner = model.module
         return (model(torch.randn(2, 3, generator=g)) * inner.outside).sum()
 
-    found: dict[str, Any] = {"static": against_torch(WithSpare, step, 4, rank, static_graph=True)}
+    found: dict[str, Any] = {
+        "static": against_torch(WithSpare, step, 4, rank, static_graph=True),
+        "reentrant_checkpoint": against_torch(CheckpointedTwice, _checkpoint_step, 3, rank, static_graph=True),
+    }
     model = Ours(WithSpare(), static_graph=True)
     x = torch.randn(2, 3)
     (model(x) * model.module.outside).sum().backward()  # learns: spare unused

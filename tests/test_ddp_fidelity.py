@@ -83,6 +83,7 @@ def test_a_module_without_trainable_parameters_is_refused(ranks):
 def test_static_graph(ranks):
     for found in (r["static_graph"] for r in ranks):
         _agree(found["static"])
+        _agree(found["reentrant_checkpoint"])
         assert "static_graph=True, but" in found["changed_error"]
         assert "'spare.bias' received more gradients" in found["changed_error"]
 
