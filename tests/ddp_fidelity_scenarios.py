@@ -389,25 +389,52 @@ def start_up_states(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
-def join_options(rank: int, world: int) -> dict[str, Any]:
-    """Uneven inputs (rank r has 2 + 2r batches) under each join option, against torch's DDP."""
+class Skipping(nn.Module):
+    """With ``skip``, every third step leaves the middle layer out: unused parameters under join."""
 
-    def run(cls: type, **join_kwargs: Any) -> tuple[list[torch.Tensor], int]:
+    def __init__(self, skip: bool) -> None:
+        super().__init__()
+        self.skip = skip
+        self.first, self.middle, self.last = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.bn = nn.BatchNorm1d(4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.bn(self.first(x))
+        return self.last(h if self.skip and self.calls % 3 == 0 else torch.tanh(self.middle(h)))
+
+
+def join_options(rank: int, world: int) -> dict[str, Any]:
+    """Uneven inputs (rank r has 2 + 2r batches, of 2 micro-batches with `accumulate`) under each join option,
+    against torch's DDP."""
+
+    def run(cls: type, accumulate: bool = False, ddp: dict[str, Any] | None = None, **join: Any) -> tuple[list, int]:
         torch.manual_seed(0)
-        model = cls(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)))
+        ddp = ddp or {}
+        model = cls(Skipping(skip=ddp.get("find_unused_parameters", False)), **ddp)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         done = 0
-        with model.join(**join_kwargs):
+        with model.join(**join):
             for i in range(2 + 2 * rank):
                 g = torch.Generator().manual_seed(10 * i + rank)
                 optimizer.zero_grad()
+                if accumulate:
+                    with model.no_sync():
+                        model(torch.randn(4, 4, generator=g)).pow(2).mean().backward()
                 model(torch.randn(4, 4, generator=g)).pow(2).mean().backward()
                 optimizer.step()
                 done += 1
         return [t.detach().clone() for t in model.module.state_dict().values()], done
 
     found: dict[str, Any] = {}
-    for name, kwargs in (("default", {}), ("divide_by_active", {"divide_by_initial_world_size": False})):
+    options: dict[str, dict[str, Any]] = {
+        "default": {},
+        "divide_by_active": {"divide_by_initial_world_size": False},
+        "find_unused": {"ddp": {"find_unused_parameters": True}},
+        "no_sync": {"accumulate": True, "ddp": {"find_unused_parameters": True}},
+    }
+    for name, kwargs in options.items():
         theirs, _ = run(TorchDDP, **kwargs)
         ours, done = run(Ours, **kwargs)
         found[name] = {"vs_torch": diff(theirs, ours), "spread": spread([t.float() for t in ours]), "done": done}

@@ -127,7 +127,7 @@ def test_start_up_copies_rank_0s_states_as_each_setting_says(ranks):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("option", ["default", "divide_by_active"])
+@pytest.mark.parametrize("option", ["default", "divide_by_active", "find_unused", "no_sync"])
 def test_join_with_uneven_inputs_ends_like_torch(ranks, option):
     assert [r["join_options"][option]["done"] for r in ranks] == [2, 4]
     for found in (r["join_options"][option] for r in ranks):
