@@ -80,8 +80,6 @@ class Reducer:
                 p = self.params[i]
                 self.bucket_of[i] = b
                 self.views[i] = self.buffers[b].narrow(0, offset, p.numel()).view_as(p)
-        # None: the built-in average, which divides while copying gradients in (one pass, as torch's reducer
-        # does) and then sums with a plain all-reduce; a registered hook gets the undivided buffer instead
         # which parameters got a gradient on this rank since the last synchronisation, summed across ranks
         self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self._control_device())
         self._used_since_sync = [False] * len(self.params)
@@ -89,6 +87,8 @@ class Reducer:
         # in the first synchronised backward and trusted from then on (torch's contract for static_graph=True)
         self._expected: list[int] | None = None
         self._static_used: list[int] | None = None
+        # None: the built-in average, which divides while copying gradients in (one pass, as torch's reducer
+        # does) and then sums with a plain all-reduce; a registered hook gets the undivided buffer instead
         self.hook: CommHook | None = None
         self.hook_state: Any = group
         self.state = _IDLE
