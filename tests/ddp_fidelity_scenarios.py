@@ -132,7 +132,15 @@ def create_graph(rank: int, world: int) -> dict[str, Any]:
         loss.backward(create_graph=True)
         return torch.zeros((), requires_grad=True)  # against_torch's own backward: nothing more to add
 
+    def penalty_step(model: nn.Module, i: int, rank: int) -> torch.Tensor:
+        """A gradient penalty: torch.autograd.grad through the model first (no parameter gradient), then backward."""
+        x = torch.tensor([float(rank + 1 + i)], requires_grad=True)
+        out = model(x)
+        (grad_x,) = torch.autograd.grad(out, x, create_graph=True)
+        return out + grad_x.pow(2).sum()
+
     result: dict[str, Any] = against_torch(Square, step, 3, rank)
+    result["penalty"] = against_torch(Square, penalty_step, 3, rank)
     model = Ours(Square())
     model(torch.tensor([float(rank + 1)])).backward(create_graph=True)
     result["grad_in_graph"] = bool(model.module.p.grad.requires_grad)
@@ -218,6 +226,20 @@ class CheckpointedTwice(nn.Module):
         return self.head(checkpoint(self.layer, torch.tanh(h), use_reentrant=True))
 
 
+class LastCheckpointed(nn.Module):
+    """The last layer under reentrant checkpointing: the first gradients arrive in a nested backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.head, torch.tanh(self.first(x)), use_reentrant=True)
+
+
 def _checkpoint_step(model: nn.Module, i: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(10 * i + rank)
     return model(torch.randn(3, 4, generator=g).requires_grad_()).pow(2).mean()
@@ -234,6 +256,8 @@ def static_graph(rank: int, world: int) -> dict[str, Any]:
     found: dict[str, Any] = {
         "static": against_torch(WithSpare, step, 4, rank, static_graph=True),
         "reentrant_checkpoint": against_torch(CheckpointedTwice, _checkpoint_step, 3, rank, static_graph=True),
+        "last_checkpointed": against_torch(LastCheckpointed, _checkpoint_step, 3, rank),
+        "last_checkpointed_static": against_torch(LastCheckpointed, _checkpoint_step, 3, rank, static_graph=True),
     }
     model = Ours(WithSpare(), static_graph=True)
     x = torch.randn(2, 3)

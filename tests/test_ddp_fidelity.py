@@ -60,6 +60,7 @@ def test_no_sync_with_unused_parameters_averages_what_any_micro_batch_used(ranks
 def test_backward_with_create_graph(ranks):
     for found in (r["create_graph"] for r in ranks):
         _agree(found)
+        _agree(found["penalty"])  # torch.autograd.grad through the model, then backward
         assert found["grad_in_graph"]
 
 
@@ -84,6 +85,8 @@ def test_static_graph(ranks):
     for found in (r["static_graph"] for r in ranks):
         _agree(found["static"])
         _agree(found["reentrant_checkpoint"])
+        _agree(found["last_checkpointed"])
+        _agree(found["last_checkpointed_static"])
         assert "static_graph=True, but" in found["changed_error"]
         assert "'spare.bias' received more gradients" in found["changed_error"]
 

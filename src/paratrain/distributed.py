@@ -298,8 +298,10 @@ class DistributedDataParallel(nn.Module):
             device = self._input_device
             inputs, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
         outputs = self.module(*inputs, **kwargs)
-        if sync and self.find_unused_parameters:
-            self.reducer.mark_unreachable(outputs)
+        if sync:
+            self.reducer.watch_outputs(outputs)
+            if self.find_unused_parameters:
+                self.reducer.mark_unreachable(outputs)
         # torch's rule: the next forward broadcasts buffers only if this one was a synchronising training forward
         self.require_forward_param_sync = sync
         return outputs

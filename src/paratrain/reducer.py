@@ -18,6 +18,8 @@ parameter used in any forward since the last synchronisation counts as used.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,6 +105,7 @@ class Reducer:
         self._next = 0
         self._launched: list[tuple[Any, int]] = []  # (Work or hook future, collective number) per bucket
         self._callback_queued = False
+        self._got_gradients = False  # a parameter's hook ran in this backward (not only the outputs')
         self._absent: list[int] = []  # parameters to mark ready without a gradient, at this backward's first hook
         if self.static_graph:
             self._calls = [0] * len(self.params)
@@ -118,6 +121,24 @@ class Reducer:
         self.state = _SYNC if sync else _LOCAL
         if sync and self._expected is not None:
             self._absent = [i for i, calls in enumerate(self._expected) if calls == 0]
+
+    def watch_outputs(self, outputs: Any) -> None:
+        """Queue the end-of-backward callback from the outputs' gradients, the first thing backward computes.
+
+        A parameter's hook may run in a nested backward instead (reentrant activation checkpointing of the last
+        layers): a callback queued there would run when that nested backward ends, before the outer one has
+        produced the other gradients. The outputs' gradients are always computed by the outermost backward.
+        """
+        ref = weakref.ref(self)
+        for t in (outputs,) if isinstance(outputs, torch.Tensor) else flatten(outputs)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(_output_grad, ref))
+
+    def on_backward(self) -> None:
+        """A backward through this iteration's outputs started: finish() runs when it ends."""
+        if self.state == _SYNC and not self._callback_queued:
+            _queue_end_of_backward(self.finish)
+            self._callback_queued = True
 
     def mark_unreachable(self, outputs: Any) -> None:
         """With find_unused_parameters: parameters the outputs do not depend on get no gradient in this backward."""
@@ -139,9 +160,9 @@ class Reducer:
                 f"forward (a second backward over the same graph would leave ranks out of step); use no_sync() "
                 f"to accumulate gradients locally"
             )
-        if not self._callback_queued:
-            _queue_end_of_backward(self.finish)
-            self._callback_queued = True
+        if not self._got_gradients:
+            self._got_gradients = True
+            self.on_backward()
             self._mark_absent_ones()
         if self.track_used:
             self._used_since_sync[index] = True
@@ -248,6 +269,11 @@ class Reducer:
         """End of backward: launch what is left, wait for every bucket, write the averages into ``.grad``."""
         if self.state != _SYNC:
             return
+        if not self._got_gradients:
+            # a backward that reached no parameter (torch.autograd.grad for a gradient penalty, say): the
+            # synchronised backward is still to come
+            self._callback_queued = False
+            return
         try:
             self._mark_absent_ones()
             learning = self.static_graph and self._expected is None
@@ -348,6 +374,12 @@ class Reducer:
             self.monitor.wait(used[0], used[1], f"unused-parameter map{suffix}")
         self._retire()
         self._reset()
+
+
+def _output_grad(reducer_ref: weakref.ref[Reducer], grad: torch.Tensor) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer.on_backward()
 
 
 def _reachable_leaves(outputs: Any) -> set[int]:
