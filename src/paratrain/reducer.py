@@ -3,8 +3,9 @@
 Each parameter's post-accumulate-grad hook copies its gradient into its bucket's flat buffer. When a bucket is
 complete, its all-reduce starts asynchronously, while backward carries on with earlier layers; buckets are
 launched strictly in index order so every rank issues the same collectives in the same order. A callback
-queued on the autograd engine runs when backward ends: it launches what is left, waits for every bucket,
-and writes the averaged gradients back, so the optimizer only ever sees synchronised gradients.
+queued on the autograd engine (by a hook on the forward's outputs, so on the outermost backward even under
+reentrant checkpointing) runs when backward ends: it launches what is left, waits for every bucket, and writes
+the averaged gradients back, so the optimizer only ever sees synchronised gradients.
 
 States of one iteration: ``idle`` (nothing expected) -> ``sync`` (a forward that will synchronise) or
 ``local`` (inside ``no_sync``: gradients stay local) -> back to ``idle`` when backward ends.
