@@ -132,7 +132,8 @@ class Reducer:
         """
         ref = weakref.ref(self)
         for t in (outputs,) if isinstance(outputs, torch.Tensor) else flatten(outputs)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            # not on a leaf (a parameter returned as it is): its hooks would outlive the iteration
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 t.register_hook(functools.partial(_output_grad, ref))
 
     def on_backward(self) -> None:
