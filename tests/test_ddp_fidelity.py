@@ -2,13 +2,15 @@
 
 torch's own suite (distributed_test.py) runs most of its DDP tests only with two GPUs; these are the same
 behaviours on the CPU with gloo at world size 2, with torch's DDP as the oracle in the same processes
-(tests/ddp_fidelity_scenarios.py). scripts/torch_ddp_suite.py runs torch's suite itself against ours.
+(tests/ddp_fidelity_scenarios.py, tests/ddp_behaviour_scenarios.py). scripts/torch_ddp_suite.py runs
+torch's suite itself against ours.
 """
 
 from __future__ import annotations
 
 import pytest
 
+import ddp_behaviour_scenarios as behaviours
 import ddp_fidelity_scenarios as scenarios
 from processes import run_ranks
 
@@ -20,14 +22,14 @@ SCENARIOS = (
     scenarios.refuses_frozen_modules,
     scenarios.static_graph,
     scenarios.outside_forward_without_static_graph,
-    scenarios.control_flow,
-    scenarios.outputs_and_graphs,
-    scenarios.inference_and_buffers,
-    scenarios.start_up_states,
-    scenarios.join_options,
-    scenarios.comm_hooks,
-    scenarios.ignored_parameters,
-    scenarios.surface,
+    behaviours.control_flow,
+    behaviours.outputs_and_graphs,
+    behaviours.inference_and_buffers,
+    behaviours.start_up_states,
+    behaviours.join_options,
+    behaviours.comm_hooks,
+    behaviours.ignored_parameters,
+    behaviours.surface,
 )
 
 
