@@ -114,3 +114,58 @@ def test_cuda_gradient_all_reduces_do_not_block_the_host_and_the_watchdog_ends_a
     assert done.returncode == 1 and not any("survived" in s for s in stages), done.stdout + done.stderr
     assert "gradient all-reduce of bucket 0" in done.stderr and "did not complete within 2s" in done.stderr
     assert ended - stages[1]["stalled_at"] < 10, "the watchdog ended the process only when the GPU work did"
+
+
+def test_cuda_data_parallel_device_objects_output_device_and_keyword_only_input():
+    """torch's test_data_parallel_device_args and _module_kwargs_only_empty_list, on one GPU used twice."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(10, 5)
+
+        def forward(self, input):
+            return self.layer(input["data"])
+
+    net = Net().cuda()
+    x = torch.randn(20, 10, device="cuda")
+    cuda0 = torch.device("cuda:0")
+    dp = DataParallel(net, device_ids=[cuda0, cuda0], output_device=cuda0)
+    out = dp(input={"data": x, "unused": []})
+    assert out.device == cuda0
+    torch.testing.assert_close(out, net.layer(x))
+
+
+@pytest.fixture
+def one_rank_nccl():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_cuda_ddp_on_the_gpu_trains_like_one_gpu_after_a_pickle_round_trip(one_rank_nccl, tmp_path):
+    """torch's _test_DistributedDataParallel on one GPU: device_ids, CPU inputs moved over, torch.save of the
+    wrapper, and backward(create_graph=True)."""
+    from paratrain import DistributedDataParallel
+
+    torch.manual_seed(0)
+    plain = SimpleNet().cuda()
+    ddp = DistributedDataParallel(copy.deepcopy(plain), device_ids=[0], gradient_as_bucket_view=True)
+    torch.save(ddp, tmp_path / "ddp.pt")
+    ddp.close()
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=False)
+    assert ddp.output_device == torch.device("cuda:0")
+    g = torch.Generator().manual_seed(1)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(3):
+        x, y = torch.randn(8, 784, generator=g), torch.randint(0, 10, (8,), generator=g)
+        for model, opt, inputs in ((plain, opt_plain, (x.cuda(), y.cuda())), (ddp, opt_ddp, (x, y.cuda()))):
+            opt.zero_grad()
+            F.cross_entropy(model(inputs[0]), inputs[1]).backward(create_graph=model is ddp)
+            opt.step()
+    assert_close_lists(list(plain.parameters()), list(ddp.module.parameters()), atol=1e-5)
+    ddp.close()

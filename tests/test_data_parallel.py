@@ -423,3 +423,111 @@ def test_a_profiler_trace_names_each_phase_of_the_pipeline():
     for stage in ("scatter", "replicate", "parallel_apply", "gather"):
         assert f"paratrain::DataParallel.{stage}" in names, sorted(n for n in names if "paratrain" in n)
     model.close()
+
+
+# -- torch's test_data_parallel.py behaviours that are not GPU-specific, on CPU replicas ----------------------------
+
+
+def test_several_inputs_with_gradients_a_float_and_a_keyword_like_torch():
+    """torch's test_data_parallel_multiple_input: inputs that require grad get the single-device gradient."""
+
+    class Combine(nn.Module):
+        def forward(self, a, b, scale, c=None):
+            return scale * (a * b if c is None else a * b + c)
+
+    g = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randn(5, 5, generator=g) for _ in range(3))
+    for kwargs in ({}, {"c": c}):
+        expected_inputs = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+        expected = Combine()(*expected_inputs, 0.7, **kwargs)
+        expected.sum().backward()
+        inputs = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+        out = DataParallel(Combine(), device_ids=["cpu"] * 2)(*inputs, 0.7, **kwargs)
+        out.sum().backward()
+        torch.testing.assert_close(out, expected)
+        assert_close_lists([t.grad for t in inputs], [t.grad for t in expected_inputs])
+
+
+@pytest.mark.parametrize("unused", [[], {}, ()], ids=["list", "dict", "tuple"])
+def test_keyword_only_input_holding_empty_containers(unused):
+    """torch's test_data_parallel_module_kwargs_only_empty_*: empty containers beside the batch are fine."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(10, 5)
+
+        def forward(self, input):
+            return self.layer(input["data"])
+
+    net = Net()
+    x = torch.randn(20, 10)
+    out = DataParallel(net, device_ids=["cpu"] * 2)(input={"data": x, "unused": unused})
+    torch.testing.assert_close(out, net.layer(x))
+
+
+def test_nested_inputs_and_outputs_keep_their_types():
+    """torch's test_data_parallel_nested_input and _nested_output."""
+    from collections import OrderedDict
+
+    class Net(nn.Module):
+        def forward(self, *inputs):
+            x = inputs[1][0]
+            return [x, (x.sin(), x.cos(), [x.add(1)]), x, OrderedDict(a=x, b=[x.sin()])]
+
+    x = torch.randn(20, 3)
+    inputs = (x.cos(), (x, x.sin()), x.sin())
+    out = DataParallel(Net(), device_ids=["cpu"] * 3)(*inputs)
+    expected = Net()(*inputs)
+    assert type(out) is list and type(out[1]) is tuple and type(out[1][2]) is list
+    assert type(out[3]) is OrderedDict and list(out[3]) == ["a", "b"] and type(out[3]["b"]) is list
+    assert_close_lists(
+        [out[0], *out[1][:2], out[1][2][0], out[2], out[3]["a"], out[3]["b"][0]],
+        [expected[0], *expected[1][:2], expected[1][2][0], expected[2], expected[3]["a"], expected[3]["b"][0]],
+    )
+
+
+def test_replicas_run_with_gradients_off_under_no_grad():
+    """torch's test_data_parallel_no_grad: the replicas' forward sees the caller's grad mode."""
+    seen = []
+
+    class Layer(nn.Module):
+        def forward(self, x):
+            seen.append(torch.is_grad_enabled())
+            return x
+
+    dp = DataParallel(Layer(), device_ids=["cpu"] * 2)
+    with torch.no_grad():
+        dp(torch.randn(4, 2))
+    dp(torch.randn(4, 2))
+    assert seen == [False, False, True, True]
+
+
+def test_zero_grad_inside_a_replica_warns_that_it_does_nothing():
+    """torch's test_zero_grad: a replica has no gradients of its own to clear."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.zero_grad()
+            return self.layer(x)
+
+    with pytest.warns(UserWarning, match=r"zero_grad\(\) from a module created with nn\.DataParallel"):
+        DataParallel(Net(), device_ids=["cpu"] * 2)(torch.randn(4, 3))
+
+
+def test_channels_last_parameters_get_gradients_in_their_layout():
+    """torch's test_strided_grad_layout, on the CPU: each gradient has its parameter's memory format."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(4, 8, 2), nn.Conv2d(8, 4, 2)).to(memory_format=torch.channels_last)
+    plain = copy.deepcopy(net)
+    x, target = torch.randn(6, 4, 6, 6), torch.randn(6, 4, 4, 4)
+    F.mse_loss(plain(x), target).backward()
+    F.mse_loss(DataParallel(net, device_ids=["cpu"] * 3)(x), target).backward()
+    for p, q in zip(net.parameters(), plain.parameters(), strict=True):
+        if p.dim() == 4:
+            assert p.grad.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)

@@ -45,6 +45,10 @@ class GradBucket:
         """The flat gradients of this bucket (the sum has not been taken, nor the mean)."""
         return self._buffer
 
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the bucket's contents (torch's GradBucket method, used by some of torch's hooks)."""
+        self._buffer.copy_(tensor)
+
     def parameters(self) -> list[torch.Tensor]:
         return self._parameters
 

@@ -8,29 +8,38 @@
 
 Start-up checks that every rank holds the same parameters and copies rank 0's values everywhere. Each
 backward averages gradients in buckets that overlap with the rest of backward (see ``reducer.py``);
-``no_sync()`` skips that for gradient accumulation, ``join()`` lets ranks with less data finish early, and
-every collective times out with the names of the ranks that did not arrive.
+``no_sync()`` skips that for gradient accumulation, ``join()`` lets ranks with less data finish early
+(``join.py``), and every collective times out with the names of the ranks that did not arrive. The constructor
+takes torch's arguments in torch's order (``ddp_setup.py``); ``docs/ddp.md`` lists each, with what ours does.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, group_sequence, to_seconds, wait_work
+from .collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, group_sequence, to_seconds
 from .comm_hooks import CommHook
-from .devices import DeviceLike, parse_device
-from .errors import ConfigError, DeviceError, DistributedError
+from .ddp_setup import (
+    agree_at_start_up,
+    buffer_settings,
+    check_device,
+    choose_group,
+    group_name,
+    refuse_unsupported,
+    require_trainable,
+    warn_check_reduction,
+)
+from .devices import DeviceLike
+from .errors import ConfigError, DistributedError
+from .join import Join
 from .reducer import Reducer
 from .tree import map_tensors
 
@@ -47,30 +56,64 @@ class DistributedDataParallel(nn.Module):
     """Average gradients across processes; a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
 
     Args:
-        module: the model, already on this process's device.
+        module: the model, already on this process's device, with a parameter that requires a gradient.
         device_ids: ``None`` (CPU, or a module that manages its own devices) or ``[device]``, the one device of
             this process; inputs are moved there in forward.
-        process_group: the group to average over (default: the whole world).
-        bucket_cap_mb: the largest gradient bucket, in MiB (the first bucket is about 1 MiB).
-        broadcast_buffers: copy rank 0's buffers to every rank at the start of each forward.
-        find_unused_parameters: parameters that get no gradient in a step take part with zeros; those unused
-            on every rank keep ``grad=None``. Without it, such a parameter is an error at the end of backward.
+        output_device: kept as ``self.output_device`` (default ``device_ids[0]``); outputs stay where the module
+            puts them, as in torch. Only with ``device_ids``.
+        dim: kept as ``self.dim``; with one device per process nothing is split, as in torch.
+        broadcast_buffers: copy rank 0's buffers to every rank at start-up and at the start of each forward
+            (``None``: yes); ``False`` leaves both out, as in torch.
+        init_sync: check at start-up that every rank holds the same parameters, and copy rank 0's values
+            everywhere; ``False`` skips both (the ranks must then start equal by themselves).
+        process_group: the group to average over (default: the whole world); every rank of it must wrap.
+        bucket_cap_mb: the largest gradient bucket, in MiB (``None``: 25; the first bucket is about 1 MiB).
+        find_unused_parameters: parameters that get no gradient in a step take part with zeros; a parameter
+            used in any forward since the last synchronisation counts as used, and those unused on every rank
+            keep their ``grad`` (``None`` after ``zero_grad``). Without it, such a parameter is an error.
+        check_reduction: deprecated by torch; ignored, with torch's ``FutureWarning``.
         gradient_as_bucket_view: make ``.grad`` views into the buckets, saving one copy of the gradients.
+        static_graph: the same parameters take part in every iteration, each as often: the first synchronised
+            backward learns which (reducing at its end); later ones trust that, so unused parameters,
+            parameters used outside forward and reentrant checkpointing work without a graph search.
+        skip_all_reduce_unused_params, batched_grad_copy: accepted; torch's speed options, which do not change
+            the results (ours reduces whole buckets and copies each gradient once).
+        forward_sync_buffers: the per-forward buffer broadcast alone (``None``: as ``broadcast_buffers``); the
+            start-up copy of buffers then always runs, as in torch.
+        device_mesh: a one-dimensional mesh, whose group is averaged over (instead of ``process_group``).
         timeout: seconds (or a timedelta) any collective may take before the error naming missing ranks.
 
+    ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``, ``mixed_precision`` (torch's private
+    ``_MixedPrecision``) and ``bucket_cap_mb_list`` are refused with a :class:`ConfigError` naming them.
+
     Raises:
-        DistributedError: torch.distributed is not initialised, or the ranks' parameters differ.
+        DistributedError: torch.distributed is not initialised, the ranks' parameters differ, or no parameter
+            of the module requires a gradient.
+        ConfigError: an argument this class does not support, or a bad value.
     """
 
     def __init__(
         self,
         module: nn.Module,
         device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: Any = None,
-        bucket_cap_mb: float = 25,
-        broadcast_buffers: bool = True,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
         timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
         _overlap: bool = True,
@@ -81,35 +124,71 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel needs torch.distributed: call torch.distributed.init_process_group() "
                 "first, in every process (started by `paratrain launch` or torchrun), or use paratrain.Parallel"
             )
+        refuse_unsupported(
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+        )
+        warn_check_reduction(check_reduction)
+        bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
         if not bucket_cap_mb > 0:
             raise ConfigError(f"bucket_cap_mb must be positive; found {bucket_cap_mb}")
+        # torch's way of keeping some parameters and buffers out of DDP, set on the module (see
+        # _set_params_and_buffers_to_ignore_for_model): never averaged nor broadcast
+        self.parameters_to_ignore = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        require_trainable(module, self.parameters_to_ignore)
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.device = self._check_device(module, device_ids)
-        self.broadcast_buffers = broadcast_buffers
+        self.process_group = choose_group(process_group, device_mesh)
+        self._input_device = check_device(module, device_ids)
+        if output_device is not None and self._input_device is None:
+            raise ConfigError(
+                f"output_device goes with device_ids (a module on one device); found output_device="
+                f"{output_device!r} and no device_ids: leave output_device out, the module decides"
+            )
+        self.device_ids = None if self._input_device is None else [self._input_device]
+        self.output_device = output_device if output_device is not None else self._input_device
+        self.dim = dim
+        self.device = next(module.parameters()).device
+        self.forward_sync_buffers, init_buffers = buffer_settings(broadcast_buffers, forward_sync_buffers)
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
         self.rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self._join: Join | None = None
+        self._timeout = to_seconds(timeout)
+        self._bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self._overlap = _overlap  # private: False waits for the end of backward, so benchmarks can price overlap
 
-        namespace = self._start_up(to_seconds(timeout))
-        self.monitor = CollectiveMonitor(self.process_group, timeout, namespace=namespace)
+        self._attach(self._start_up(self._timeout) if init_sync else self._local_namespace("unsynced"))
+        if init_sync:
+            states = self._synced(parameters=True, buffers=init_buffers)
+            self._broadcast(states, "start-up broadcast of rank 0's state")
+
+    def _attach(self, namespace: str) -> None:
+        """What holds the process group and autograd hooks: built at construction and again after unpickling."""
+        self.monitor = CollectiveMonitor(self.process_group, self._timeout, namespace=namespace)
         # stops the monitor's thread when the wrapper is collected, and at interpreter exit (weakref.finalize runs
         # from atexit, before finalization) for a wrapper still alive then and never closed
         self._finalizer = weakref.finalize(self, self.monitor.close)
-        self._broadcast(list(module.parameters()) + list(module.buffers()), "start-up broadcast of rank 0's state")
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        named = [
+            (name, p)
+            for name, p in self.module.named_parameters()
+            if p.requires_grad and name not in self.parameters_to_ignore
+        ]
         self.reducer = Reducer(
             [p for _, p in named],
             [name for name, _ in named],
             group=self.process_group,
             monitor=self.monitor,
-            bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
-            find_unused=find_unused_parameters,
-            grad_as_view=gradient_as_bucket_view,
-            overlap=_overlap,  # private: False waits for the end of backward, so benchmarks can price the overlap
+            bucket_cap_bytes=self._bucket_cap_bytes,
+            find_unused=self.find_unused_parameters,
+            grad_as_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+            overlap=self._overlap,
         )
         ref = weakref.ref(self.reducer)
         self._hook_handles = [
@@ -117,25 +196,16 @@ class DistributedDataParallel(nn.Module):
             for i, (_, p) in enumerate(named)
         ]
 
-    # -- start-up ---------------------------------------------------------------------------------------------
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether each forward copies rank 0's buffers everywhere (torch's older name of forward_sync_buffers)."""
+        return self.forward_sync_buffers
 
-    @staticmethod
-    def _check_device(module: nn.Module, device_ids: Sequence[DeviceLike] | None) -> torch.device | None:
-        if device_ids is None:
-            return None
-        if isinstance(device_ids, (str, int, torch.device)) or len(device_ids) != 1:
-            raise ConfigError(
-                f"device_ids must be None or a list with this process's one device, e.g. [local_rank]; "
-                f"found {device_ids!r}"
-            )
-        device = parse_device(device_ids[0], what="device_ids[0]")
-        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
-            if t.device != device:
-                raise DeviceError(
-                    f"DistributedDataParallel expects the module on {device} (device_ids[0]), but {name!r} is "
-                    f"on {t.device}; call module.to({str(device)!r}) before wrapping it"
-                )
-        return device
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    # -- start-up ---------------------------------------------------------------------------------------------
 
     def _control_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self._backend() == "nccl" else torch.device("cpu")
@@ -144,66 +214,96 @@ class DistributedDataParallel(nn.Module):
         return str(dist.get_backend(self.process_group))
 
     def _start_up(self, timeout: float | None) -> str:
-        """Check that every rank holds the same parameters (names, shapes, dtypes), and agree on a namespace.
+        """Check that every rank holds the same parameters, and agree on the monitor's namespace (ddp_setup.py)."""
+        signature = [
+            (name, tuple(p.shape), str(p.dtype))
+            for name, p in self.module.named_parameters()
+            if name not in self.parameters_to_ignore
+        ]
+        return agree_at_start_up(self.process_group, signature, timeout, self._control_device())
 
-        One all-gather carries a digest of the parameters and how many collectives the group has run (torch
-        counts them per group). The namespace of this wrapper's collective monitor is the largest count: the
-        same on every rank, and larger than that of any earlier wrapper over the group, so its store keys can
-        neither drift apart across ranks nor collide with another wrapper's.
-        """
-        signature = [(name, tuple(p.shape), str(p.dtype)) for name, p in self.module.named_parameters()]
-        digest = int.from_bytes(hashlib.sha256(repr(signature).encode()).digest()[:7], "big")
-        sequence = group_sequence(self.process_group)
-        mine = torch.tensor([digest, sequence], dtype=torch.int64, device=self._control_device())
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        work = dist.all_gather(everyone, mine, group=self.process_group, async_op=True)
-        if not wait_work(work, timeout):
-            raise DistributedError(
-                f"rank {dist.get_rank()}: the start-up check of DistributedDataParallel did not complete within "
-                f"{timeout:g}s: some rank of the group has not constructed its wrapper (or is stuck). Wrap the "
-                f"model in every process, at the same point of the script"
-            )
-        agreed = max(int(t[1]) for t in everyone)
-        if any(int(t[0]) != digest for t in everyone):
-            signatures: list[Any] = [None] * self.world_size
-            dist.all_gather_object(signatures, signature, group=self.process_group)
-            raise DistributedError(_describe_mismatch(signatures))
-        return f"ddp-{_group_name(self.process_group)}-{agreed}"
+    def _synced(self, *, parameters: bool, buffers: bool) -> list[torch.Tensor]:
+        """The parameters and/or buffers DDP keeps equal across ranks: all but those the module asks to ignore."""
+        named: list[tuple[str, torch.Tensor]] = []
+        if parameters:
+            named += list(self.module.named_parameters())
+        if buffers:
+            named += list(self.module.named_buffers())
+        return [t for name, t in named if name not in self.parameters_to_ignore]
 
-    def _broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
-        """Copy rank 0's values of ``tensors`` to every rank, one flat message per dtype and device."""
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """torch's (private) way to keep parameters and buffers, by fully qualified name, out of DDP: call it on
+        the module before wrapping it. Those parameters are neither averaged nor broadcast."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore  # type: ignore[assignment]
+
+    def _local_namespace(self, tag: str) -> str:
+        """A monitor namespace agreed without communicating: the group's collective count, equal on every rank
+        at the same point of a correct program (``init_sync=False``, unpickling)."""
+        return f"ddp-{group_name(self.process_group)}-{tag}-{group_sequence(self.process_group)}"
+
+    def _broadcast(self, tensors: Sequence[torch.Tensor], what: str, src: int = 0) -> None:
+        """Copy group rank ``src``'s values of ``tensors`` to every rank, one flat message per dtype and device."""
         if self.world_size == 1 or not tensors:
             return
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
+        source = dist.get_global_rank(self.process_group, src)  # type: ignore[arg-type]
         with torch.no_grad():
             for members in groups.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in members])
                 seq = self.monitor.launched()
-                src = dist.get_global_rank(self.process_group, 0)  # type: ignore[arg-type]  # the group's rank 0
-                work = dist.broadcast(flat, src=src, group=self.process_group, async_op=True)
+                work = dist.broadcast(flat, src=source, group=self.process_group, async_op=True)
                 self.monitor.wait(work, seq, what)
                 for t, piece in zip(members, flat.split([t.numel() for t in members]), strict=True):
                     t.copy_(piece.view_as(t))
+
+    # -- pickling (torch.save(ddp_model), copy.deepcopy): as torch's, over the default group only ---------------
+
+    _NOT_PICKLED = ("process_group", "monitor", "reducer", "_finalizer", "_hook_handles", "_join")
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not dist.group.WORLD:
+            raise DistributedError(
+                "a DistributedDataParallel over a process_group other than the default one cannot be pickled (as "
+                "torch's): save model.module or model.state_dict(), and wrap again after loading"
+            )
+        state = self.__dict__.copy()
+        for name in self._NOT_PICKLED:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild the reducer and hooks over the default group; no collective runs (every rank loads alike).
+
+        A registered communication hook is not kept (torch's is not either): register it again.
+        """
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        self._join = None
+        self._attach(self._local_namespace("loaded"))
 
     # -- the step ---------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
-        if self._join is not None:
-            self._join.announce(sync)
-        if self.broadcast_buffers:
-            self._broadcast(list(self.module.buffers()), "buffer broadcast")
+        authority = self._join.announce(sync) if self._join is not None else 0
+        if self.forward_sync_buffers and self.require_forward_param_sync:  # will_sync_module_buffers()
+            self._broadcast(self._synced(parameters=False, buffers=True), "buffer broadcast", src=authority)
         if grad:  # a forward without autograd (evaluation mid-step) leaves the pending backward's state alone
             self.reducer.prepare(sync)
-        if self.device is not None:
-            device = self.device
+        if self._input_device is not None:
+            device = self._input_device
             inputs, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
         outputs = self.module(*inputs, **kwargs)
-        if sync and self.find_unused_parameters:
-            self.reducer.mark_unreachable(outputs)
+        if sync:
+            self.reducer.watch_outputs(outputs)
+            if self.find_unused_parameters:
+                self.reducer.mark_unreachable(outputs)
+        # torch's rule: the next forward broadcasts buffers only if this one was a synchronising training forward
+        self.require_forward_param_sync = sync
         return outputs
 
     @contextmanager
@@ -216,20 +316,65 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    def join(self) -> Join:
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
         """Context manager for uneven inputs: a rank that runs out of batches shadows the others' collectives.
 
-        Wrap the training loop: ``with model.join(): for x, y in loader: ...``. Gradients are still divided
-        by the full world size (joined ranks contribute zeros), as torch's DDP does by default.
+        Wrap the training loop: ``with model.join(): for x, y in loader: ...``. Gradients are divided by the
+        world size (joined ranks contribute zeros), or with ``divide_by_initial_world_size=False`` by the ranks
+        still active; at the end every rank takes the model of the last rank to finish. ``enable=False`` does
+        nothing; ``throw_on_early_termination=True`` raises on every rank as soon as one runs out. As torch's.
         """
-        return Join(self)
+        return Join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refused: torch's generic ``torch.distributed.algorithms.Join([...])`` needs torch's Joinable protocol."""
+        raise ConfigError(
+            "paratrain's DistributedDataParallel does not take part in torch.distributed.algorithms.Join (the "
+            "generic join over several Joinables): use its own context manager, `with model.join(...):`"
+        )
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers (torch's rule: only after a synchronising forward)."""
+        has_buffers = bool(self._synced(parameters=False, buffers=True))
+        return self.require_forward_param_sync and self.forward_sync_buffers and has_buffers
+
+    def _sync_final_model(self, last_to_finish: bool) -> None:
+        """After join: the parameters and buffers of the highest rank among the last to finish, everywhere."""
+        mine = torch.tensor([self.rank if last_to_finish else -1], dtype=torch.int64, device=self._control_device())
+        seq = self.monitor.launched()
+        work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        self.monitor.wait(work, seq, "join: the last rank to finish")
+        self._broadcast(self._synced(parameters=True, buffers=True), "join: the final model", src=int(mine))
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Replace the all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``."""
+        """Replace the all-reduce of each bucket by ``hook(state, bucket) -> Future[Tensor]``; once, as torch's.
+
+        The hook gets the bucket's gradients, neither summed nor divided yet, and returns a future whose value is
+        the averaged buffer; torch's hooks (``torch.distributed.algorithms.ddp_comm_hooks``) work as well.
+        """
         if not callable(hook):
             raise ConfigError(f"hook must be callable as hook(state, bucket); found {type(hook).__name__}")
+        if self.reducer.hook is not None:
+            raise ConfigError(
+                f"register_comm_hook can be called once per DistributedDataParallel (as torch's); "
+                f"{getattr(self.reducer.hook, '__name__', 'a hook')} is registered already"
+            )
         self.reducer.hook = hook
         self.reducer.hook_state = state
+
+    def _set_static_graph(self) -> None:
+        """torch's private, older spelling of ``static_graph=True``, for code written against it; before training."""
+        if self.reducer.synchronised_steps:
+            raise DistributedError(
+                f"_set_static_graph() should be called before training loop starts (as torch's says); "
+                f"{self.reducer.synchronised_steps} synchronised backward(s) ran already: pass static_graph=True "
+                f"to the constructor instead"
+            )
+        self.static_graph = True
+        self.reducer.static_graph = self.reducer.track_used = True
+        self.reducer._reset()
 
     def close(self) -> None:
         """Detach from autograd and stop background work; call before destroying the process group."""
@@ -241,78 +386,5 @@ class DistributedDataParallel(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"rank={self.rank}, world_size={self.world_size}, buckets={len(self.reducer.buckets)}, "
-            f"find_unused_parameters={self.find_unused_parameters}"
+            f"find_unused_parameters={self.find_unused_parameters}, static_graph={self.static_graph}"
         )
-
-
-class Join:
-    """The context manager returned by :meth:`DistributedDataParallel.join`."""
-
-    def __init__(self, ddp: DistributedDataParallel) -> None:
-        self.ddp = ddp
-
-    def __enter__(self) -> Join:
-        self.ddp._join = self
-        return self
-
-    def _flags(self, active: int, sync: int) -> tuple[int, int]:
-        ddp = self.ddp
-        flags = torch.tensor([active, sync], dtype=torch.int64, device=ddp._control_device())
-        seq = ddp.monitor.launched()
-        work = dist.all_reduce(flags, group=ddp.process_group, async_op=True)
-        ddp.monitor.wait(work, seq, "join: active-rank count")
-        return int(flags[0]), int(flags[1])
-
-    def announce(self, sync: bool) -> None:
-        """An active rank's forward: count it, and say whether this iteration synchronises gradients."""
-        self._flags(1, int(sync))
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            if exc_type is not None:
-                return  # a failing rank must not pretend to be done; the error propagates
-            ddp = self.ddp
-            while True:
-                active, syncing = self._flags(0, 0)
-                if active == 0:
-                    return  # everyone is done
-                if ddp.broadcast_buffers:
-                    ddp._broadcast(list(ddp.module.buffers()), "buffer broadcast (joined rank)")
-                if syncing:
-                    ddp.reducer.shadow()
-        finally:
-            self.ddp._join = None
-
-
-def _group_name(group: Any) -> str:
-    name = getattr(group, "group_name", None)
-    return str(name) if name is not None else "world"
-
-
-def _describe_mismatch(signatures: list[Any]) -> str:
-    reference = signatures[0]
-    lines = []
-    for rank, signature in enumerate(signatures[1:], start=1):
-        if signature == reference:
-            continue
-        for i in range(max(len(signature), len(reference))):
-            mine = signature[i] if i < len(signature) else None
-            theirs = reference[i] if i < len(reference) else None
-            if mine != theirs:
-                lines.append(f"rank 0 has {_fmt(theirs)} but rank {rank} has {_fmt(mine)} (parameter #{i})")
-                break
-    different = [str(r) for r, s in enumerate(signatures) if s != reference]
-    return (
-        f"the model's parameters differ across ranks (ranks {', '.join(different)} differ from rank 0): "
-        + "; ".join(lines)
-        + ". Build the same model, with the same settings, in every process before wrapping it"
-    )
-
-
-def _fmt(entry: Any) -> str:
-    if entry is None:
-        return "no parameter"
-    name, shape, dtype = entry
-    return f"{name!r} {tuple(shape)} {dtype.removeprefix('torch.')}"
