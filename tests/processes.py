@@ -69,6 +69,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, store: str, fn: Callable[..., Any], out_dir: str, args: tuple) -> None:
+    os.chdir(out_dir)  # what a rank writes where it runs (a hang report, say) lands beside its result
     try:
         # a file store: no port to pick, so no other program can take it first
         dist.init_process_group(

@@ -89,7 +89,8 @@ def test_a_stopped_worker_is_named_and_the_job_ends_soon_after_the_timeout(tmp_p
     timeout = 5
     proc = start_cli(
         "train", "--strategy", "ddp", "--nproc-per-node", "2", "--timeout", str(timeout), "--dataset", "digits60k",
-        "--epochs", "1", "--log-every", "20", env={"OMP_NUM_THREADS": "1"}, merge_stderr=True,
+        "--epochs", "1", "--log-every", "20", "--hang-report", str(tmp_path / "hang.json"),
+        env={"OMP_NUM_THREADS": "1"}, merge_stderr=True,
     )  # fmt: skip
     lines: list[str] = []
     stopped_at = None
@@ -115,6 +116,8 @@ def test_a_stopped_worker_is_named_and_the_job_ends_soon_after_the_timeout(tmp_p
     assert "show no sign of life" in output
     assert "Root Cause" in output and "rank      : 0" in output  # torchrun's summary: rank 0 failed first
     assert ended_after < timeout + 15, f"the job ended {ended_after:.1f}s after the stop\n{output}"
+    report = json.loads((tmp_path / "hang.json").read_text())  # the report of every rank, where it was asked for
+    assert [r["state"].split(":")[0] for r in report["ranks"]] == ["alive", "stopped"], report["ranks"]
 
 
 # --- a dead worker: restarted, resumed, the same model ----------------------------------------------------------

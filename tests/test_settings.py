@@ -105,3 +105,12 @@ def test_from_dict_takes_json_values_back_and_refuses_unknown_keys():
     assert again == config and again.betas == (0.8, 0.9)
     with pytest.raises(ConfigError, match=r"job.json: unknown setting\(s\) 'epoch'; TrainConfig takes"):
         TrainConfig.from_dict({"epoch": 3}, source="job.json")
+
+
+def test_a_hang_report_goes_beside_the_runs_outputs_unless_asked_elsewhere(tmp_path):
+    assert TrainConfig().hang_report_path() is None  # the current directory
+    assert TrainConfig(metrics_out=str(tmp_path / "m.json")).hang_report_path() == str(tmp_path / "hang-report.json")
+    assert TrainConfig(log_dir="logs", metrics_out="m.json").hang_report_path() == "logs/hang-report.json"
+    both = TrainConfig(checkpoint_dir="ckpt", log_dir="logs")
+    assert both.hang_report_path() == "ckpt/hang-report.json"
+    assert TrainConfig(hang_report="h.json", checkpoint_dir="ckpt").hang_report_path() == "h.json"

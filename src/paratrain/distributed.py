@@ -82,6 +82,8 @@ class DistributedDataParallel(nn.Module):
             start-up copy of buffers then always runs, as in torch.
         device_mesh: a one-dimensional mesh, whose group is averaged over (instead of ``process_group``).
         timeout: seconds (or a timedelta) any collective may take before the error naming missing ranks.
+        hang_report: where the report of every rank goes (JSON) when a collective times out or ranks call
+            different collectives (default: ``paratrain-hang-report.json`` in the current directory).
 
     ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``, ``mixed_precision`` (torch's private
     ``_MixedPrecision``) and ``bucket_cap_mb_list`` are refused with a :class:`ConfigError` naming them.
@@ -116,6 +118,7 @@ class DistributedDataParallel(nn.Module):
         forward_sync_buffers: bool | None = None,
         *,
         timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
+        hang_report: str | None = None,
         _overlap: bool = True,
     ) -> None:
         super().__init__()
@@ -160,6 +163,7 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(self.process_group)
         self._join: Join | None = None
         self._timeout = to_seconds(timeout)
+        self._hang_report = hang_report
         self._bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self._overlap = _overlap  # private: False waits for the end of backward, so benchmarks can price overlap
 
@@ -170,7 +174,9 @@ class DistributedDataParallel(nn.Module):
 
     def _attach(self, namespace: str) -> None:
         """What holds the process group and autograd hooks: built at construction and again after unpickling."""
-        self.monitor = CollectiveMonitor(self.process_group, self._timeout, namespace=namespace)
+        self.monitor = CollectiveMonitor(
+            self.process_group, self._timeout, namespace=namespace, report_path=self._hang_report
+        )
         # stops the monitor's thread when the wrapper is collected, and at interpreter exit (weakref.finalize runs
         # from atexit, before finalization) for a wrapper still alive then and never closed
         self._finalizer = weakref.finalize(self, self.monitor.close)

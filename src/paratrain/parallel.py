@@ -68,6 +68,8 @@ class Parallel:
             list of devices.
         seed: when given, seeds every generator the same way in every process.
         timeout: ddp only: seconds a collective may wait for the other ranks before failing.
+        hang_report: ddp only: where the report of every rank goes (JSON) when a collective times out or ranks
+            call different collectives (default ``paratrain-hang-report.json`` here; see docs/hangs.md).
         precision: ``32`` (default), ``bf16-mixed`` or ``16-mixed``: forward passes of prepared models run under
             ``torch.autocast`` for the device's type and return float32 outputs; ``16-mixed`` adds a gradient
             scaler (see :mod:`paratrain.precision`), so optimizers must step through :meth:`step`.
@@ -85,11 +87,16 @@ class Parallel:
         seed: int | None = None,
         timeout: float | None = None,
         precision: str = "32",
+        hang_report: str | None = None,
     ) -> None:
         if isinstance(strategy, Strategy):
             given = [
                 f"{name}={value!r}"
-                for name, value, default in (("devices", devices, "auto"), ("timeout", timeout, None))
+                for name, value, default in (
+                    ("devices", devices, "auto"),
+                    ("timeout", timeout, None),
+                    ("hang_report", hang_report, None),
+                )
                 if value != default
             ]
             if given:
@@ -99,7 +106,7 @@ class Parallel:
                 )
             self.strategy = strategy
         else:
-            self.strategy = select_strategy(strategy, devices, timeout=timeout)
+            self.strategy = select_strategy(strategy, devices, timeout=timeout, hang_report=hang_report)
         self.strategy.setup()
         try:
             self.precision: Precision = select_precision(precision, self.strategy.device)

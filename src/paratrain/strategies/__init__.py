@@ -107,13 +107,14 @@ def select_strategy(
     *,
     timeout: float | None = None,
     environment: ClusterEnvironment | None = None,
+    hang_report: str | None = None,
 ) -> Strategy:
     """The strategy called ``name`` on ``devices`` (``auto``: see :func:`resolve_strategy`).
 
     ``ddp`` takes ``devices`` ``auto`` (this process's GPU, or the CPU), ``cpu`` or ``cuda``. ``timeout`` (seconds
     a collective may wait for the other ranks) applies to ``ddp``; with ``auto`` it applies if ``auto`` picks
     ``ddp``, and naming ``single`` or ``dp`` with a timeout is an error. ``environment`` is where a launcher put
-    this process (default: read from the launcher's variables).
+    this process (default: read from the launcher's variables); ``hang_report`` where ddp's report of a hang goes.
 
     Raises:
         ConfigError: an unknown name, devices the strategy cannot use, a ``timeout`` for a strategy without
@@ -129,7 +130,12 @@ def select_strategy(
                 f"strategy='dp' to use them all from this process, or devices='cuda:0' for one"
             )
         device_type = check_ddp_devices(devices)
-        return DistributedStrategy(device_type, environment=env, **({} if timeout is None else {"timeout": timeout}))
+        return DistributedStrategy(
+            device_type,
+            environment=env,
+            hang_report=hang_report,
+            **({} if timeout is None else {"timeout": timeout}),
+        )
     if timeout is not None and name != "auto":
         raise ConfigError(
             f"timeout is for strategy 'ddp' (how long a collective waits for the other processes); strategy "

@@ -54,6 +54,7 @@ class DistributedStrategy(Strategy):
         timeout: seconds any collective (the gradients', and the loop's own metrics) may wait for the others.
         environment: where this process sits in the job; default: what the launcher set
             (:meth:`~paratrain.environment.ClusterEnvironment.detect`).
+        hang_report: where the report of every rank goes when a collective times out (see docs/hangs.md).
     """
 
     name = "ddp"
@@ -64,12 +65,14 @@ class DistributedStrategy(Strategy):
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         environment: ClusterEnvironment | None = None,
+        hang_report: str | None = None,
     ) -> None:
         super().__init__()
         if device_type not in DDP_DEVICES:
             raise ConfigError(f"ddp runs on 'cpu' or 'cuda' (one GPU per process); found {device_type!r}")
         self._device_type = device_type
         self._timeout = timeout
+        self._hang_report = hang_report
         self.environment = environment if environment is not None else ClusterEnvironment.detect()
         self._device = torch.device("cpu")
         self._owns_group = False
@@ -101,7 +104,9 @@ class DistributedStrategy(Strategy):
         elif dist.get_backend() == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
         group = dist.group.WORLD
-        self._monitor = CollectiveMonitor(group, self._timeout, namespace=f"strategy-{group_sequence(group)}")
+        self._monitor = CollectiveMonitor(
+            group, self._timeout, namespace=f"strategy-{group_sequence(group)}", report_path=self._hang_report
+        )
         # its thread stops when the strategy is collected (a Parallel never closed), or at interpreter exit
         self._finalizer = weakref.finalize(self, self._monitor.close)
 
@@ -160,7 +165,9 @@ class DistributedStrategy(Strategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self._device)
         device_ids = [self._device] if self._device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids, timeout=self._timeout)
+        wrapped = DistributedDataParallel(
+            model, device_ids=device_ids, timeout=self._timeout, hang_report=self._hang_report
+        )
         self._ddp.append(wrapped)
         return wrapped
 

@@ -101,6 +101,18 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
         if self.resume is not None and self.checkpoint_dir is None and self.resume in RESUME_MODES:
             raise ConfigError("--resume needs --checkpoint-dir (where to look for the latest checkpoint)")
 
+    def hang_report_path(self) -> str | None:
+        """Where a hang report goes: ``--hang-report``, else beside the run's outputs (the checkpoint directory,
+        the log directory, the metrics file's directory), else None (the current directory)."""
+        if self.hang_report is not None:
+            return self.hang_report
+        for directory in (self.checkpoint_dir, self.log_dir):
+            if directory is not None:
+                return str(Path(directory) / "hang-report.json")
+        if self.metrics_out is not None and Path(self.metrics_out).parent != Path("/dev"):
+            return str(Path(self.metrics_out).parent / "hang-report.json")
+        return None
+
     def check_outputs(self) -> None:
         """Check that every file and directory the run writes can be written, before any work starts.
 
@@ -112,6 +124,8 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
         """
         if self.metrics_out is not None:
             check_output(self.metrics_out, "--metrics-out")
+        if self.hang_report is not None:
+            check_output(self.hang_report, "--hang-report")
         for flag, directory in (("--checkpoint-dir", self.checkpoint_dir), ("--log-dir", self.log_dir)):
             if directory is not None:
                 check_output(Path(directory) / ".paratrain-check", flag)

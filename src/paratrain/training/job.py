@@ -66,7 +66,13 @@ def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> T
     ``log`` receives every line the main process would print (default: stdout).
     """
     config.check()
-    with Parallel(config.strategy, config.devices, timeout=config.timeout, precision=config.precision) as par:
+    with Parallel(
+        config.strategy,
+        config.devices,
+        timeout=config.timeout,
+        precision=config.precision,
+        hang_report=config.hang_report_path(),
+    ) as par:
         return _Run(config, par, log).run()
 
 

@@ -173,3 +173,9 @@ class CollectiveSettings(Settings):
         check=optional(finite_positive),
         metavar="SECONDS",
     )
+    hang_report: str | None = setting(
+        None,
+        "ddp: where the report of every rank goes (JSON) when a collective times out or ranks call different "
+        "collectives (default: beside the run's outputs, or paratrain-hang-report.json here)",
+        metavar="FILE.json",
+    )
