@@ -365,9 +365,10 @@ class CollectiveMonitor:
             who, report = "the process group has no store to tell which ranks are missing", None
         else:
             missing, unknown = self._board.behind(seq)
+            self._board.failed(seq)
             report = self._report(seq, f"{what} (collective #{seq}) did not complete within {self.timeout:g}s")
             if report is not None:
-                silent = [r.rank for r in report.ranks if not r.answered and not r.beating]
+                silent = [r.rank for r in report.ranks if r.silent]
             else:
                 silent, _ = self._board.silent()
             if missing:
@@ -397,9 +398,10 @@ class CollectiveMonitor:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         who, report = "", None
         if self._board is not None:
+            self._board.failed(seq)
             report = self._report(seq, f"{what} (collective #{seq}) failed ({reason})")
             if report is not None:
-                silent = [r.rank for r in report.ranks if not r.answered and not r.beating]
+                silent = [r.rank for r in report.ranks if r.silent]
                 unknown = [r.rank for r in report.ranks if r.state.startswith("unknown")]
                 print(report.render(), file=sys.stderr, flush=True)
             else:
