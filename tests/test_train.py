@@ -116,7 +116,7 @@ def test_resume_refuses_what_it_cannot_use(tmp_path):
     fresh = train(_config(checkpoint_dir=str(tmp_path), resume="if-exists", epochs=1))
     assert fresh.resumed_from is None
     # another model's run in the same directory
-    with pytest.raises(CheckpointError, match=r"belongs to a different run.*model: checkpoint 'simplenet'"):
+    with pytest.raises(ConfigError, match=r"cannot continue: --model: checkpoint 'simplenet', this run 'mlp'"):
         train(_config(checkpoint_dir=str(tmp_path), resume="latest", model="mlp", epochs=2))
     # a truncated checkpoint: an error naming it, never a silent start from scratch
     latest = latest_checkpoint(tmp_path)
@@ -261,7 +261,7 @@ def test_progress_bar_and_lines_go_through_the_log(capsys):
     lines: list[str] = []
     result = train(TrainConfig(epochs=1, progress_bar=True, log_every=10), log=lines.append)
     err = capsys.readouterr().err
-    assert "epoch 1/1" in err and "samples_per_s" in err  # the tqdm bar, on stderr
+    assert "Epoch 0" in err and "samples_per_s" in err  # the tqdm bar, on stderr, numbered as the lines are
     steps = [line.split(",")[1].strip() for line in lines if line.startswith("Epoch 0, Step ")]
     assert steps == ["Step 0", "Step 10", "Step 20"]
     assert lines[-1].startswith("Done: ") and result.steps == 23

@@ -104,9 +104,9 @@ def test_resume_with_schedule_scaler_and_adamw_is_exact(uninterrupted, tmp_path)
     )
     assert end["scheduler"]["_last_lr"][0] == pytest.approx(0.0, abs=1e-12)  # cosine reached its end: lr 0
     # another schedule cannot continue this run's: it would make the learning rate jump
-    with pytest.raises(Exception, match=r"schedule .* \(--warmup-steps"):
+    with pytest.raises(ConfigError, match=r"cannot continue: --warmup-steps: checkpoint 3, this run 9"):
         train(TrainConfig(checkpoint_dir=str(tmp_path), resume="latest", **{**EVERYTHING, "warmup_steps": 9}))
-    with pytest.raises(Exception, match=r"different run \(optimizer: checkpoint 'adamw', this run 'sgd'"):
+    with pytest.raises(ConfigError, match=r"cannot continue: --optimizer: checkpoint 'adamw', this run 'sgd'"):
         train(
             TrainConfig(checkpoint_dir=str(tmp_path), resume="latest", **{**EVERYTHING, "optimizer": "sgd", "lr": 0.1})
         )
@@ -149,8 +149,8 @@ def test_log_dir_writes_the_series_from_the_main_process(tmp_path):
         "epoch/train_loss",
         "epoch/test_accuracy",
     }
-    logged = [int(r["step"]) for r in rows if r["name"] == "train/loss"]
-    assert logged == [1, 3, 5, 7]  # batches 0 and 2 of each 4-batch epoch
+    logged = [(int(r["epoch"]), int(r["step"])) for r in rows if r["name"] == "train/loss"]
+    assert logged == [(0, 0), (0, 2), (1, 4), (1, 6)]  # batches 0 and 2 of each 4-batch epoch, counted from 0
     accuracy = [float(r["value"]) for r in rows if r["name"] == "epoch/test_accuracy"]
     assert accuracy == result.epoch_test_accuracy
     assert (logs / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -160,7 +160,7 @@ def test_log_dir_writes_the_series_from_the_main_process(tmp_path):
         events = EventAccumulator(str(logs))
         events.Reload()
         scalars = events.Scalars("epoch/test_accuracy")
-        assert [e.step for e in scalars] == [4, 8]
+        assert [e.step for e in scalars] == [3, 7]  # each epoch's last step
         assert [e.value for e in scalars] == pytest.approx(accuracy)  # TensorBoard stores float32
         assert len(list(logs.glob("events.out.tfevents.*"))) == 1
 
@@ -173,8 +173,8 @@ def test_a_resumed_run_continues_the_log_without_duplicates(tmp_path):
     (at_step_3,) = [p for p in list_checkpoints(ckpt) if load_checkpoint(p)["global_step"] == 3]
     train(TrainConfig(epochs=2, resume=str(at_step_3), **common, **SMALL))
     rows = read_metrics(logs / "metrics.csv")
-    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == list(range(1, 9))
-    assert [int(r["step"]) for r in rows if r["name"] == "epoch/test_accuracy"] == [4, 8]
+    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == list(range(8))
+    assert [int(r["step"]) for r in rows if r["name"] == "epoch/test_accuracy"] == [3, 7]
 
 
 def _has(package: str) -> bool:
@@ -329,6 +329,6 @@ def test_ddp_accumulates_like_one_device_and_only_rank_0_logs(one_step_per_batch
     assert all(r["steps"] == 2 * 4 for r in metrics["time_breakdown"]["ranks"])
     assert len(metrics["epoch_test_accuracy"]) == 2
     rows = read_metrics(tmp_path / "logs" / "metrics.csv")
-    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == [1, 3, 5, 7]  # once each
+    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == [0, 2, 4, 6]  # once each
     if tensorboard == "--tensorboard":
         assert len(list((tmp_path / "logs").glob("events.out.tfevents.*"))) == 1

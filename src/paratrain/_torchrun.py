@@ -18,17 +18,31 @@ torchrun as it is, when those internals are not what it expects:
     A store server listens on every interface whatever address it is given; only a socket bound beforehand
     (``master_listen_fd``) chooses. Every store server torchrun starts is bound to ADDRESS (127.0.0.1 for a
     job on one machine, so nothing outside it can reach the job).
+
+It also reports the job's end in a few lines (``--name`` is the command they name): torchrun's own log goes to a
+file instead of the terminal; a failed job prints one line per failed rank, with the rank's exit code or signal
+and its error's last line (:mod:`paratrain.failures`), names that file, and exits with the first failed rank's
+code, instead of torchrun's ``ChildFailedError`` traceback; a job stopped by a signal (Ctrl-C) exits with
+128 + the signal's number, quietly, since its workers said where they stopped. The file is removed when the job
+succeeds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import logging
+import os
+import signal
 import socket
 import sys
+import tempfile
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from .failures import exit_code_of, summary_lines
 from .launch_config import EXIT_RENDEZVOUS_FAILED
 
 
@@ -103,6 +117,39 @@ def _bound_stores(address: str) -> None:
             setattr(module, "TCPStore", BoundTCPStore)  # noqa: B010  (the name is looked up there at call time)
 
 
+def _log_to_file(name: str) -> str:
+    """torch.distributed's log of this process (the agent's) into a new file, not the terminal; its path.
+
+    A restart of the workers is still said on the terminal, in one line."""
+    fd, path = tempfile.mkstemp(prefix="paratrain-launch-", suffix=".log")
+    os.close(fd)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("torch.distributed")
+    for old in [h for h in log.handlers if isinstance(h, logging.StreamHandler)]:
+        log.removeHandler(old)
+    log.addHandler(handler)
+    log.propagate = False
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    agent.setLevel(logging.INFO)  # the restart is an info record
+    restarts = logging.StreamHandler(sys.stderr)
+    restarts.addFilter(lambda record: "will restart worker group" in str(record.msg) and len(record.args or ()) == 4)
+    restarts.setFormatter(_RestartFormatter(name))
+    agent.addHandler(restarts)
+    return path
+
+
+class _RestartFormatter(logging.Formatter):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def format(self, record: logging.LogRecord) -> str:
+        _, state, left, most = record.args  # type: ignore[misc]
+        done = int(most) - int(left) + 1
+        return f"{self.name}: the workers {str(state).lower()}: restarting them (restart {done} of {most})"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     split = args.index("--") if "--" in args else len(args)
@@ -110,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--grace", type=int)
     parser.add_argument("--fresh-store", action="store_true")
     parser.add_argument("--bind")
+    parser.add_argument("--name", default="paratrain launch")
     options = parser.parse_args(args[:split])
     if options.grace is not None:
         _one_grace(options.grace)
@@ -117,15 +165,41 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fresh_store_per_round()
     if options.bind:
         _bound_stores(options.bind)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    log_path = _log_to_file(options.name)
     sys.argv = ["torchrun", *args[split + 1 :]]
     try:
         torchrun_main()
     except _rendezvous_failures() as exc:
-        # the nodes never met: launch() says where and for how long they waited; torch's own trace is above
-        print(f"paratrain._torchrun: the rendezvous failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # the nodes never met: launch() says where and for how long they waited; torch's own trace is in the log
+        _append(log_path, traceback.format_exc())
+        print(
+            f"paratrain._torchrun: the rendezvous failed: {type(exc).__name__}: {exc} (torchrun's log: {log_path})",
+            file=sys.stderr,
+        )
         sys.exit(EXIT_RENDEZVOUS_FAILED)
+    except ChildFailedError as exc:
+        _append(log_path, traceback.format_exc())
+        first, root = exc.get_first_failure()
+        for line in summary_lines(exc.failures, first):
+            print(f"{options.name}: {line}", file=sys.stderr)
+        print(f"{options.name}: torchrun's full report: {log_path}", file=sys.stderr, flush=True)
+        sys.exit(exit_code_of(root.exitcode) or 1)
+    except SignalException as exc:
+        # torchrun stopped its workers on a signal (the launcher forwarded Ctrl-C): they said where they stopped
+        _append(log_path, traceback.format_exc())
+        sigval = exc.sigval
+        sys.exit(128 + (sigval.value if isinstance(sigval, signal.Signals) else signal.SIGINT.value))
+    with contextlib.suppress(OSError):
+        os.unlink(log_path)  # the job succeeded: nothing to look for
+
+
+def _append(path: str, text: str) -> None:
+    with contextlib.suppress(OSError), open(path, "a") as file:
+        file.write(text)
 
 
 def _rendezvous_failures() -> tuple[type[BaseException], ...]:
