@@ -120,3 +120,15 @@ class PickyNet(nn.Module):
 
 def picky_net(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return PickyNet(_features(input_shape), num_classes)
+
+
+def small_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A clean small CNN: Conv2d, ReLU, adaptive pooling, Linear (nothing that makes parallel runs differ)."""
+    channels = input_shape[0]
+    return nn.Sequential(
+        nn.Conv2d(channels, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, num_classes),
+    )

@@ -145,7 +145,7 @@ class _RestartFormatter(logging.Formatter):
         self.name = name
 
     def format(self, record: logging.LogRecord) -> str:
-        _, state, left, most = record.args  # type: ignore[misc]
+        _, state, left, most = (str(a) for a in record.args or ())
         done = int(most) - int(left) + 1
         return f"{self.name}: the workers {str(state).lower()}: restarting them (restart {done} of {most})"
 

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
     try:
         settings = _imported(job["settings_class"]).from_dict(job["settings"], source=argv[0])
         run_in = _imported(job["run_in"])
-        with Parallel("ddp", "auto", timeout=settings.timeout) as par:
+        with Parallel("ddp", "auto", timeout=settings.timeout, precision=settings.precision) as par:
             result = run_in(par, settings, job["extra"])
         torch.save(result, out / f"rank{rank}.pt")
     except Exception as exc:
