@@ -114,3 +114,18 @@ def train_job(rank: int, world: int, settings: dict[str, Any]) -> dict[str, Any]
 
     result = train(TrainConfig(strategy="ddp", devices="cpu", quiet=True, **settings))
     return {"epoch_losses": result.epoch_losses, "test_accuracy": result.test_accuracy}
+
+
+def forgot_prepare(rank: int, world: int) -> dict[str, Any]:
+    """The loop runs a model that was never prepared: under ddp each rank would train its own copy."""
+    par = paratrain.Parallel("ddp", "cpu")
+    model = mlp()  # not par.prepare(model)
+    (loader,) = (par.prepare(DataLoader(_data(4), batch_size=6)),)
+    x, y = next(iter(loader))
+    try:
+        par.backward(F.cross_entropy(model(x), y))
+        found = {"error": None}
+    except paratrain.ConfigError as exc:
+        found = {"error": str(exc)}
+    par.close()
+    return found

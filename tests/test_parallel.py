@@ -15,6 +15,7 @@ import paratrain
 from conftest import run_main
 from parallel_scenarios import (
     eval_loader_between_forward_and_backward,
+    forgot_prepare,
     gather_pads_and_trims,
     train_job,
     user_shuffle_order,
@@ -204,7 +205,12 @@ def test_batch_tensors_that_disagree_on_size_are_named():
 def _parallel_suite(rank: int, world: int) -> dict:
     return {
         scenario.__name__: scenario(rank, world)
-        for scenario in (gather_pads_and_trims, user_shuffle_order, eval_loader_between_forward_and_backward)
+        for scenario in (
+            gather_pads_and_trims,
+            user_shuffle_order,
+            eval_loader_between_forward_and_backward,
+            forgot_prepare,
+        )
     }
 
 
@@ -241,6 +247,24 @@ def test_a_users_shuffle_order_is_kept(parallel_suite):
 def test_an_eval_loader_does_not_change_the_training_weight(parallel_suite):
     for found in (r["eval_loader_between_forward_and_backward"] for r in parallel_suite[1]):
         assert found["vs_single"] < 1e-5
+
+
+@pytest.mark.processes
+def test_a_loss_from_a_model_no_one_prepared_is_refused_on_every_rank(parallel_suite):
+    _, ranks = parallel_suite
+    for found in ranks:
+        assert "no model that par.prepare() returned has run forward" in found["forgot_prepare"]["error"]
+        assert "under ddp every process would train its own copy" in found["forgot_prepare"]["error"]
+
+
+def test_backward_without_a_prepared_model_says_to_prepare_it():
+    with paratrain.Parallel("single", "cpu") as par:
+        model = torch.nn.Linear(4, 2)
+        with pytest.raises(ConfigError, match=r"Call model = par.prepare\(model\)"):
+            par.backward(model(torch.randn(3, 4)).sum())
+        prepared = par.prepare(model)  # the same loss through the prepared model is fine
+        par.backward(prepared(torch.randn(3, 4)).sum())
+        assert model.weight.grad is not None
 
 
 @pytest.mark.processes

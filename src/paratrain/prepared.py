@@ -8,11 +8,16 @@ the same global batch and keeps its slice, so results match one device exactly).
 Every batch they yield is recorded with its :class:`BatchShare` (this process's samples and the global batch's) in
 the :class:`BatchLedger` of the ``Parallel`` that prepared them; the forward that batch is fed to binds the share
 there, and ``Parallel.backward`` turns it into the loss weight of the step.
+
+A loader's batch is the global batch under every strategy, where torch's DistributedSampler makes ``batch_size``
+each process's: under several processes the main process says so once per loader, with the number to give for
+the per-process batch a torch DDP script had.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ __all__ = [
     "PreparedIndexedLoader",
     "PreparedLoader",
     "Recording",
+    "global_batch_note",
     "prepare_loader",
 ]
 
@@ -121,6 +127,26 @@ class Recording:
         return any(t is m for t in tensors for m in mine if m is not None)
 
 
+def global_batch_note(loader: Iterable[Any], processes: int) -> str:
+    """What ``prepare`` says about a loader's batch under ``processes`` processes: it is the global batch.
+
+    >>> global_batch_note(DataLoader(data, batch_size=32), 2)
+    'batch 32 is the global batch: 16 per process on 2 processes; for 32 per process give 64'
+    """
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(size, int) or size < 1:
+        return (
+            f"each batch the loader yields is the global batch, cut into {processes} shares (one per process); for "
+            f"a given batch per process, yield {processes} times as many samples"
+        )
+    low, high = size // processes, -(-size // processes)
+    share = f"{low}" if low == high else f"{low} or {high}"
+    return (
+        f"batch {size} is the global batch: {share} per process on {processes} processes; for {size} per process "
+        f"give {size * processes}"
+    )
+
+
 def prepare_loader(
     loader: Iterable[Any], strategy: Strategy, ledger: BatchLedger
 ) -> PreparedIndexedLoader | PreparedLoader:
@@ -184,6 +210,8 @@ class PreparedLoader:
         self.loader = loader
         self.strategy = strategy
         self.recording = Recording(ledger)
+        if strategy.world_size > 1 and strategy.is_main:
+            print(f"paratrain: {global_batch_note(loader, strategy.world_size)}", file=sys.stderr, flush=True)
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]

@@ -1,11 +1,12 @@
 """What ``paratrain plan`` measures: compute on one device, all-reduces and stragglers with real processes.
 
-    profiles = measure_profiles(work, device, [(64, 2), (32, 1)], steps=10, warmup=3)   # (batch, threads) each
+    profiles, moved = measure_profiles(work, device, [(64, 2), (32, 1)], steps=10, warmup=3, rounds=3)
     slower = measure_contention(work, (32, 1), others=1, steps=10, warmup=3)   # one peer beside it
     link = measure_link(2, sizes, bursts, timeout=600)          # python -m paratrain.tools.allreduce_probe
 
 Measurements take turns (one step of each shape in rotation) so that a shared machine's changing load does not
-favour one of them; every figure is a median.
+favour one of them; every figure is a median. Compute is measured in rounds, and how far a shape's median moved
+between rounds says whether the machine held still long enough to measure it.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class ProfileRun:
             for i, p in enumerate(self.params)
         ]
         self.phases: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "optimizer": []}
+        self.totals: list[float] = []  # each recorded step, start to end
         self.ready_times: list[list[float]] = [[] for _ in self.params]
 
     def step(self, record: bool) -> None:
@@ -120,8 +122,16 @@ class ProfileRun:
             return
         for name, (a, b) in zip(self.phases, ((t0, t1), (t1, t2), (t2, t3), (t3, t4)), strict=True):
             self.phases[name].append(clock.seconds(a, b))
+        self.totals.append(clock.seconds(t0, t4))
         for j, mark in enumerate(self.ready):
             self.ready_times[j].append(clock.seconds(t2, mark) if mark is not None else 0.0)
+
+    def moved(self, rounds: int) -> float:
+        """How far the step's median moved between ``rounds`` equal rounds of the recorded steps: the largest
+        round's median over the smallest's, minus 1 (0 when there is one round)."""
+        size = len(self.totals) // max(rounds, 1)
+        medians = [statistics.median(self.totals[i * size : (i + 1) * size]) for i in range(rounds) if size]
+        return max(medians) / min(medians) - 1 if len(medians) > 1 and min(medians) > 0 else 0.0
 
     def profile(self, copy_repeats: int) -> ComputeProfile:
         for h in self.handles:
@@ -141,19 +151,21 @@ class ProfileRun:
 
 
 def measure_profiles(
-    work: Workload, device: torch.device, shapes: list[tuple[int, int]], steps: int, warmup: int
-) -> dict[tuple[int, int], ComputeProfile]:
-    """Medians of ``steps`` plain training steps for each (per-device batch, threads) in ``shapes``.
+    work: Workload, device: torch.device, shapes: list[tuple[int, int]], steps: int, warmup: int, rounds: int = 1
+) -> tuple[dict[tuple[int, int], ComputeProfile], dict[tuple[int, int], float]]:
+    """Medians of ``rounds`` x ``steps`` plain training steps for each (per-device batch, threads) in ``shapes``,
+    and how far each shape's median moved between the rounds (see :meth:`ProfileRun.moved`).
 
     The shapes take turns, one step each, the order rotating, so that a shared machine's changing load hits them
     alike (measured one after another, a quiet minute would favour one world size over another).
     """
     runs = [ProfileRun(work, device, batch, threads) for batch, threads in dict.fromkeys(shapes)]
-    for i in range(warmup + steps):
+    for i in range(warmup + steps * rounds):
         shift = i % len(runs)
         for run in runs[shift:] + runs[:shift]:
             run.step(record=i >= warmup)
-    return {(run.batch, run.threads): run.profile(steps) for run in runs}
+    profiles = {(run.batch, run.threads): run.profile(steps) for run in runs}
+    return profiles, {(run.batch, run.threads): run.moved(rounds) for run in runs}
 
 
 def measure_contention(work: Workload, shape: tuple[int, int], others: int, steps: int, warmup: int) -> float:
@@ -324,7 +336,8 @@ def read_link_file(path: str) -> list[list[float]]:
 
 
 def threads_per_process(world_size: int, cores: int) -> tuple[int, float]:
-    """Threads a ddp worker gets (as paratrain launch gives them), and the time-sharing slowdown."""
+    """Threads a ddp worker gets (as paratrain launch gives them: OMP_NUM_THREADS, else cores // N), and the
+    time-sharing slowdown."""
     if "OMP_NUM_THREADS" in os.environ:  # launch passes it through to every worker
         try:
             threads = max(1, int(os.environ["OMP_NUM_THREADS"]))

@@ -52,7 +52,8 @@ def train_command(config: TrainConfig, launcher: LaunchConfig | None = None) -> 
         _note_one_replica(config)
     if strategy == "ddp" and not environment.launched:
         return launch_train(config, launcher)
-    if not environment.launched and _complete(config):
+    # a restarted process continues its run (the run decides from its own records); a first start is checked now
+    if not environment.launched and not environment.restart_count and _complete(config):
         return 0
     train(config)
     return 0
@@ -75,7 +76,9 @@ def launch_train(config: TrainConfig, launcher: LaunchConfig) -> int:
             f"from the latest checkpoint: add --checkpoint-dir DIR (and --checkpoint-every N for checkpoints "
             f"within an epoch), or every restart would train again from step 0"
         )
-    if _complete(config):
+    # on one machine the checkpoint directory is this machine's, and the job's first start is now; with several
+    # machines another node may have started the job (and written checkpoints) already: the ranks decide
+    if launcher.is_single_node and _complete(config):
         return 0
     preflight(config)  # what every rank would otherwise find and report on its own
     with tempfile.TemporaryDirectory(prefix="paratrain-train-") as tmp:

@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..files import atomic_writer
 
-__all__ = ["CSV_NAME", "PLOT_NAME", "RunLog", "check_extras", "read_metrics"]
+__all__ = ["CSV_NAME", "PLOT_NAME", "RunLog", "check_extras", "install_hint", "read_metrics"]
 
 CSV_NAME = "metrics.csv"
 PLOT_NAME = "curves.png"
@@ -35,12 +35,17 @@ _EXTRAS = {
 }
 
 
+def install_hint(extra: str) -> str:
+    """How to install one of paratrain's extras, from PyPI or in a clone of the repository."""
+    return f"pip install 'paratrain[{extra}]' (in a clone of paratrain: pip install -e '.[{extra}]')"
+
+
 def _missing(extra: str, error: BaseException | None = None) -> ConfigError:
     writes, package, install, flag = _EXTRAS[extra]
     found = f" ({error})" if error is not None else ""
     return ConfigError(
         f"--log-dir writes {writes}, which need the {package} package, not importable here{found}: "
-        f"pip install '{install}', or add {flag} to go without"
+        f"{install_hint(install.removeprefix('paratrain[').removesuffix(']'))}, or add {flag} to go without"
     )
 
 
