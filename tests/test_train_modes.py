@@ -199,6 +199,7 @@ def test_a_missing_extra_is_a_usage_error_before_training(monkeypatch, capsys, t
     code = main(["train", "--quiet", "--log-dir", str(tmp_path / "logs"), *flags])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+    assert "(in a clone of paratrain: pip install -e '.[" in err  # for those who installed from a clone
     assert not (tmp_path / "logs").exists()  # nothing started
 
 
@@ -332,3 +333,29 @@ def test_ddp_accumulates_like_one_device_and_only_rank_0_logs(one_step_per_batch
     assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == [0, 2, 4, 6]  # once each
     if tensorboard == "--tensorboard":
         assert len(list((tmp_path / "logs").glob("events.out.tfevents.*"))) == 1
+
+
+def test_epochs_steps_and_accuracy_are_numbered_one_way_everywhere(capsys, tmp_path):
+    """The console's `Epoch E, Step S` lines, the progress bar, metrics.csv and the metrics JSON agree."""
+    logs, metrics = tmp_path / "logs", tmp_path / "m.json"
+    code = main(
+        ["train", *SMALL_ARGS, "--epochs", "2", "--log-every", "2", "--progress-bar", "--log-dir", str(logs)]
+        + ["--no-tensorboard", "--no-plot", "--metrics-out", str(metrics)]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    logged = [line.split(",")[:2] for line in captured.out.splitlines() if line.startswith("Epoch ") and "Step" in line]
+    steps = [(int(e.split()[1]), int(s.split()[1])) for e, s in logged]
+    assert steps == [(0, 0), (0, 2), (1, 0), (1, 2)]  # random data: 100 samples in 4 batches of up to 30
+    assert "Epoch 0" in captured.err and "Epoch 1" in captured.err  # the bar, numbered as the lines are
+    rows = read_metrics(logs / "metrics.csv")
+    # the csv's step is the run's optimizer step (4 per epoch), its epoch the console's: in epoch 0 they coincide
+    assert [(int(r["epoch"]), int(r["step"])) for r in rows if r["name"] == "train/loss"] == [
+        (epoch, 4 * epoch + step) for epoch, step in steps
+    ]
+    result = json.loads(metrics.read_text())
+    csv_accuracy = [float(r["value"]) for r in rows if r["name"] == "epoch/test_accuracy"]
+    assert csv_accuracy == result["epoch_test_accuracy"]  # fractions in the files a program reads
+    for epoch, accuracy in enumerate(result["epoch_test_accuracy"]):  # a percentage where a person reads it
+        assert f"Epoch {epoch} done: train loss" in captured.out and f"test accuracy {accuracy:.2%}" in captured.out
+    assert [int(r["epoch"]) for r in rows if r["name"] == "epoch/test_accuracy"] == [0, 1]

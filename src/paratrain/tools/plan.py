@@ -221,7 +221,18 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     recommended = None if unreliable else recommend(rows, config.min_efficiency)
 
     assumptions = describe_assumptions(
-        config, str(device), cores, param_count, buckets, inputs_rows, local_links, sync, remote_link, per_node
+        config,
+        config.repeats,
+        config.max_world_size,
+        str(device),
+        cores,
+        param_count,
+        buckets,
+        inputs_rows,
+        local_links,
+        sync,
+        remote_link,
+        per_node,
     )
     inputs = {
         "device": str(device),

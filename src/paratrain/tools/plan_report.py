@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..buckets import FIRST_BUCKET_BYTES
 from .plan_measure import DDP_BUCKET_CAP_BYTES
 from .plan_model import BucketSpec, Link, ScalingRow
 from .report import format_table
-
-if TYPE_CHECKING:
-    from .plan import PlanConfig
+from .settings import RunSettings
 
 __all__ = ["MOVED_BOUND", "PlanReport", "describe_assumptions", "unreliable_reasons", "unreliable_verdict"]
 
@@ -160,7 +158,9 @@ class PlanReport:
 
 
 def describe_assumptions(
-    config: PlanConfig,
+    config: RunSettings,
+    repeats: int,
+    max_world_size: int,
     device: str,
     cores: int,
     param_count: int,
@@ -173,7 +173,7 @@ def describe_assumptions(
 ) -> list[str]:
     """What the prediction takes as given, in words, for the printed report."""
     gpus = device.startswith("cuda")
-    local_max = min(config.max_world_size, per_node)
+    local_max = min(max_world_size, per_node)
     assumptions: list[str] = []
     assumptions.append(
         f"model {config.model}: {param_count:,} parameters ({param_count * 4 / 2**20:.1f} MiB of float32 gradients), "
@@ -182,7 +182,7 @@ def describe_assumptions(
     )
     assumptions.append(
         f"global batch {config.batch_size} split N ways; each device runs the largest share, ceil(batch / N); "
-        f"compute measured on {device} in this process, medians of {config.repeats} rounds of {config.steps} steps, "
+        f"compute measured on {device} in this process, medians of {repeats} rounds of {config.steps} steps, "
         f"one device at the threads paratrain train gives it ({inputs_rows[0]['threads_per_process']})"
     )
     if not gpus:
