@@ -22,9 +22,10 @@ def _signal_self() -> None:
 def test_the_first_ctrl_c_stops_after_this_step_and_the_second_leaves_now():
     previous = signal.getsignal(signal.SIGINT)
     with Parallel("single", "cpu") as par, StopRequest(par) as stop:
-        assert not stop.due(7, 0.01)  # nothing asked: a flag read, no more
+        started = time.perf_counter()
+        assert not stop.due(7, started, 7)  # nothing asked: a flag read, no more
         _signal_self()
-        assert stop.signalled and stop.due(8, 0.01) and stop.stop_after == 8  # one process: after this step
+        assert stop.signalled and stop.due(8, started, 8) and stop.stop_after == 8  # one process: after this step
         with pytest.raises(KeyboardInterrupt):
             _signal_self()
     assert signal.getsignal(signal.SIGINT) is previous

@@ -323,3 +323,50 @@ def test_timeout_stops_the_job(tmp_path: Path) -> None:
     with pytest.raises(DistributedError, match="did not finish within 3 s"):
         launch(LaunchConfig(nproc_per_node=1), PROBE, [str(tmp_path), "--sleep", "300"], timeout=3)
     assert time.monotonic() - started < 60
+
+
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # slow to stop, as a rank saving a checkpoint is
+sleeper = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(300)"
+child = subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.processes
+def test_a_second_ctrl_c_stops_every_process_of_the_job_at_once(tmp_path: Path) -> None:
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    # a long grace: after one Ctrl-C torchrun would wait a minute for the worker before killing it
+    command = [*_launch_command(), "--nproc-per-node", "1", "--shutdown-timeout", "60", str(script)]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None
+        grandchild = int(launcher.stdout.readline())  # the worker started it, in a session of its own
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert launcher.poll() is None  # the first Ctrl-C waits for the workers to stop
+        second = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=30)
+        took = time.monotonic() - second
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 130 and took < 10, (took, err)
+    assert "interrupted again: stopping every process of the job now" in err
+    deadline = time.monotonic() + 5
+    while _running(grandchild):  # killed; its new parent reaps it when it gets to it
+        assert time.monotonic() < deadline, "the worker's child outlived the second Ctrl-C"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended, and waits only to be reaped

@@ -338,10 +338,8 @@ def test_ddp_accumulates_like_one_device_and_only_rank_0_logs(one_step_per_batch
 def test_epochs_steps_and_accuracy_are_numbered_one_way_everywhere(capsys, tmp_path):
     """The console's `Epoch E, Step S` lines, the progress bar, metrics.csv and the metrics JSON agree."""
     logs, metrics = tmp_path / "logs", tmp_path / "m.json"
-    code = main(
-        ["train", *SMALL_ARGS, "--epochs", "2", "--log-every", "2", "--progress-bar", "--log-dir", str(logs)]
-        + ["--no-tensorboard", "--no-plot", "--metrics-out", str(metrics)]
-    )
+    logging = ("--log-dir", str(logs), "--no-tensorboard", "--no-plot", "--metrics-out", str(metrics))
+    code = main(["train", *SMALL_ARGS, "--epochs", "2", "--log-every", "2", "--progress-bar", *logging])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     logged = [line.split(",")[:2] for line in captured.out.splitlines() if line.startswith("Epoch ") and "Step" in line]

@@ -3,7 +3,7 @@
     with StopRequest(par) as stop:
         for batch in loader:
             ...one optimizer step...
-            if stop.due(global_step, seconds_per_step):     # a few attribute reads until a signal arrives
+            if stop.due(global_step, started, steps):       # a few attribute reads until a signal arrives
                 save(); raise TrainingInterrupted
 
 In one process the run stops after the step during which SIGINT arrived. Under ddp every rank must stop after
@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -90,11 +91,13 @@ class StopRequest:
             os._exit(_EXIT_INTERRUPTED)
         raise KeyboardInterrupt
 
-    def due(self, steps_done: int, seconds_per_step: float) -> bool:
-        """Called after every optimizer step (``steps_done`` global steps so far): stop the run now?"""
+    def due(self, steps_done: int, started: float, steps: int) -> bool:
+        """Called after every optimizer step (``steps_done`` global steps so far; ``steps`` of them since
+        ``time.perf_counter()`` read ``started``): stop the run now?"""
         if self.stop_after is None:
             if not self.signalled:
                 return False
+            seconds_per_step = (time.perf_counter() - started) / max(steps, 1)
             self.stop_after = self._agree(steps_done, seconds_per_step)
         return steps_done >= self.stop_after
 

@@ -276,8 +276,7 @@ class _Run:
                     )
             reached = self._reached_max_steps()
             assert self.stop is not None
-            seconds_per_step = (time.perf_counter() - self.loop_start) / max(self.steps, 1)
-            self.interrupted = self.interrupted or self.stop.due(pos.global_step, seconds_per_step)
+            self.interrupted = self.interrupted or self.stop.due(pos.global_step, self.loop_start, self.steps)
             halt = reached or self.interrupted
             if i + 1 == len(loader):
                 break  # the end-of-epoch checkpoint below covers this point
