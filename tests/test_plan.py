@@ -40,7 +40,10 @@ def test_plan_predicts_every_world_size_with_measured_inputs(tmp_path):
     inputs = report["inputs"]
     assert {int(n) for n, _, _ in inputs["link_samples"]} == {2}  # all-reduces timed by 2 real processes
     assert set(inputs["local_links"]) == {"2"} and inputs["local_links"]["2"]["bandwidth"] > 0
-    assert report["recommended_world_size"] in (1, 2)
+    if report["reliable"]:
+        assert report["recommended_world_size"] in (1, 2)
+    else:  # a shared machine's load moved the tiny steps' medians: said, and no recommendation
+        assert report["recommended_world_size"] is None and "no recommendation: " in result.stdout
     assert "assumptions:" in result.stdout and "recommendation:" in result.stdout
     assert any("share this machine's" in a for a in report["assumptions"])
 

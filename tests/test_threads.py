@@ -43,5 +43,6 @@ def _result(load: float | None) -> TrainResult:
 @pytest.mark.parametrize("load, busy", [(1.5, False), (2.0, False), (3.1, True), (None, False)])
 def test_the_summary_says_when_the_machine_was_oversubscribed(load, busy):
     summary = _result(load).summary()
-    assert ("oversubscribed (load average 3.1 on 2 cores)" in summary) is busy
+    assert ("oversubscribed, load average 3.1 on 2 cores: timings are slower" in summary) is busy
+    assert "\n" not in summary  # still the one summary line
     assert MachineLoad(2, load).oversubscribed is busy

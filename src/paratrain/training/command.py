@@ -53,8 +53,10 @@ def train_command(config: TrainConfig, launcher: LaunchConfig | None = None) -> 
     if strategy == "ddp" and not environment.launched:
         return launch_train(config, launcher)
     # a restarted process continues its run (the run decides from its own records); a first start is checked now
-    if not environment.launched and not environment.restart_count and _complete(config):
-        return 0
+    if not environment.launched and not environment.restart_count:
+        config.check_outputs()  # the paths first: the checkpoint directory is read next
+        if _complete(config):
+            return 0
     train(config)
     return 0
 

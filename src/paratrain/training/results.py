@@ -82,8 +82,8 @@ class TrainResult:
         busy = ""
         if self.load_average is not None and self.cores and self.load_average > self.cores:
             busy = (
-                f"\nnote: the machine was oversubscribed (load average {self.load_average:.1f} on {self.cores} "
-                f"cores), so these timings are slower than on a quiet machine"
+                f"  (the machine was oversubscribed, load average {self.load_average:.1f} on {self.cores} cores: "
+                f"timings are slower than on a quiet machine)"
             )
         each = " per process" if self.world_size > 1 else ""
         threads = f", {self.threads} CPU thread{'s' * (self.threads != 1)}{each}" if self.threads else ""
