@@ -267,6 +267,17 @@ def test_backward_without_a_prepared_model_says_to_prepare_it():
         assert model.weight.grad is not None
 
 
+def test_the_global_batch_note_gives_the_shares_and_the_batch_to_give():
+    from paratrain.prepared import global_batch_note
+
+    data = TensorDataset(torch.zeros(10, 2))
+    assert global_batch_note(DataLoader(data, batch_size=30), 4) == (
+        "batch 30 is the global batch: 7 or 8 per process on 4 processes; for 30 per process give 120"
+    )
+    no_size = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
+    assert "each batch the loader yields is the global batch, cut into 2 shares" in global_batch_note(no_size, 2)
+
+
 @pytest.mark.processes
 def test_empty_shares_leave_the_epoch_loss_finite(tmp_path):
     """718 samples a batch leave one sample in the last batch of digits' 1,437: ranks 1 and 2 get none."""

@@ -140,10 +140,10 @@ def test_unreliable_reasons_and_the_verdict_without_a_recommendation():
     from paratrain.tools.plan_report import PlanReport, unreliable_reasons
 
     rows = [ScalingRow(1, 64, 1.0, 64.0, 1.0, 1.0, 0.0, 0.0), ScalingRow(2, 32, 0.035, 1828.0, 28.31, 14.15, 0, 0)]
-    reasons = unreliable_reasons(rows, {(64, 2): 0.05, (32, 1): 0.4})
+    reasons = unreliable_reasons(rows, {(64, 2): 0.3, (32, 1): 0.6})
     assert reasons == [
         "2 devices are predicted 28.31x faster than one (efficiency 1415%), more than 2 devices can be",
-        "the step at batch 32 on 1 thread moved by 40% between repeats (more than 25%)",
+        "the step at batch 32 on 1 thread moved by 60% between repeats (more than 50%)",
     ]
     report = PlanReport({"min_efficiency": 0.7}, rows, None, [], {"load_average": 3.5, "cores": 2}, unreliable=reasons)
     assert report.verdict().startswith("no recommendation: the measurements are unreliable: 2 devices are")

@@ -130,8 +130,8 @@ class Recording:
 def global_batch_note(loader: Iterable[Any], processes: int) -> str:
     """What ``prepare`` says about a loader's batch under ``processes`` processes: it is the global batch.
 
-    >>> global_batch_note(DataLoader(data, batch_size=32), 2)
-    'batch 32 is the global batch: 16 per process on 2 processes; for 32 per process give 64'
+    global_batch_note(DataLoader(data, batch_size=32), 2)
+    # 'batch 32 is the global batch: 16 per process on 2 processes; for 32 per process give 64'
     """
     size = getattr(loader, "batch_size", None)
     if not isinstance(size, int) or size < 1:

@@ -30,6 +30,7 @@ import torch
 from ..buckets import FIRST_BUCKET_BYTES, assign_buckets
 from ..errors import ConfigError
 from ..launch import LaunchConfig, launch
+from ..parallel import Parallel
 from .plan_model import ComputeProfile, cpu_share
 from .workload import Workload, build_optimizer
 
@@ -81,15 +82,18 @@ class _Clock:
 
 
 class ProfileRun:
-    """Plain training steps (no wrapper) at one per-device batch and thread count, timed phase by phase."""
+    """The steps ``paratrain train`` runs on one device, at one per-device batch and thread count, timed phase by
+    phase: through ``Parallel`` (its loader, weighted backward and step), so that what those cost per step is in
+    the prediction as it is in the run a user launches."""
 
     def __init__(self, work: Workload, device: torch.device, batch: int, threads: int) -> None:
         self.work, self.batch, self.threads = work, batch, threads
-        self.model = work.build_model().to(device)
+        self.par = Parallel("single", [device])
+        model = work.build_model()
+        optimizer = build_optimizer(work.settings, model.parameters())
+        self.model, self.optimizer, self.loader = self.par.prepare(model, optimizer, work.loader(batch))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(work.settings, self.params)
-        self.loader = work.loader(batch).to(device)
-        self.order = self.loader.batch_indices()
+        self.batches = iter(self.loader)
         self.clock = _Clock(device)
         self.device = device
         self.ready: list[Any] = [None] * len(self.params)
@@ -102,20 +106,20 @@ class ProfileRun:
         self.ready_times: list[list[float]] = [[] for _ in self.params]
 
     def step(self, record: bool) -> None:
-        clock = self.clock
+        clock, par = self.clock, self.par
         with _threads(self.threads):
             t0 = clock.mark()
-            indices = next(self.order, None)
-            if indices is None:
-                self.order = self.loader.batch_indices()
-                indices = next(self.order)
-            inputs, targets = self.loader.take(indices)
+            batch = next(self.batches, None)
+            if batch is None:  # the epoch's end: the same batches again (their order does not change the time)
+                self.batches = iter(self.loader)
+                batch = next(self.batches)
+            inputs, targets = batch
             t1 = clock.mark()
             loss = self.work.loss(self.model(inputs), targets)
             t2 = clock.mark()
-            loss.backward()
+            par.backward(loss)
             t3 = clock.mark()
-            self.optimizer.step()
+            par.step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
             t4 = clock.mark()
         if not record:
@@ -136,6 +140,7 @@ class ProfileRun:
     def profile(self, copy_repeats: int) -> ComputeProfile:
         for h in self.handles:
             h.remove()
+        self.par.close()
         med = {name: statistics.median(values) for name, values in self.phases.items()}
         with _threads(self.threads):
             copy = _bucket_copy_seconds(self.params, self.device, copy_repeats)

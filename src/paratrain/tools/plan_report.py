@@ -25,7 +25,10 @@ from .settings import RunSettings
 
 __all__ = ["MOVED_BOUND", "PlanReport", "describe_assumptions", "unreliable_reasons", "unreliable_verdict"]
 
-MOVED_BOUND = 0.25  # a shape's median step moving more than this between repeats: the machine did not hold still
+# a shape's median step moving more than this between repeats: the machine did not hold still. A shared 2-core VM
+# moves medians by 10-30% between rounds while plan's prediction stays within 20% of what train measures; a
+# machine that spoils the prediction moves them by several times
+MOVED_BOUND = 0.5
 
 
 def unreliable_reasons(
