@@ -305,7 +305,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_ends_as_the_uninterrupted_run(tmp_
 
 
 def test_ctrl_c_under_ddp_stops_every_rank_after_the_same_step_in_one_line(tmp_path):
-    # the ranks agree on a step about a second ahead: an epoch of digits60k (938 steps) outlasts that
+    # the ranks agree on a step about half a second ahead: an epoch of digits60k (938 steps) outlasts that
     args = ("train", "--strategy", "ddp", "--nproc-per-node", "2", "--dataset", "digits60k", "--epochs", "1")
     args += ("--log-every", "100", "--checkpoint-dir", str(tmp_path))
     proc = start_cli(*args, env={"OMP_NUM_THREADS": "1"})

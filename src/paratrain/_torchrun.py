@@ -8,7 +8,8 @@ torchrun as it is, when those internals are not what it expects:
     torchrun reads a shutdown grace (``--shutdown-timeout``) but uses it only when it is interrupted: when a
     worker fails, and between restarts, its process context stops the other workers with a fixed 30 s grace.
     A stopped (SIGSTOP) or hung worker only goes with the SIGKILL at the end of it, so a hang that a rank had
-    detected and reported kept the job alive 30 s more. Every stop uses this grace instead.
+    detected and reported kept the job alive 30 s more. Every stop uses this grace instead, but for Ctrl-C
+    (SIGINT), which gives the workers at least ``INTERRUPT_GRACE_S`` to save where they are.
 ``--fresh-store``
     The store the workers meet in (their ``MASTER_PORT``) is created once and kept across restarts, and the
     workers' keys carry no attempt prefix: restarted workers read the dead workers' gloo addresses and fail
@@ -45,6 +46,10 @@ from typing import Any
 from .failures import exit_code_of, summary_lines
 from .launch_config import EXIT_RENDEZVOUS_FAILED
 
+# after Ctrl-C the workers stop after a step they agree on and save a checkpoint, which a loaded machine or a big
+# model makes slow: they get this long at least (a second Ctrl-C ends them at once)
+INTERRUPT_GRACE_S = 60
+
 
 def _one_grace(seconds: int) -> None:
     try:
@@ -57,7 +62,8 @@ def _one_grace(seconds: int) -> None:
 
     @functools.wraps(original)
     def close(self: Any, death_sig: Any = None, timeout: int = 30) -> Any:
-        return original(self, death_sig, seconds)
+        grace = max(seconds, INTERRUPT_GRACE_S) if death_sig == signal.SIGINT else seconds
+        return original(self, death_sig, grace)
 
     PContext.close = close  # type: ignore[method-assign]
 

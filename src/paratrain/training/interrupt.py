@@ -15,8 +15,8 @@ learn it in time, and a thread in each rank looks for the proposal every 50 ms. 
 but the check of a flag, and no collective is added to any step.
 
 Why S is safe: a rank that finished step b has its peers at step b - 1 or b (none can finish step b + 1
-without it), so any S > b is still ahead of every rank; S = b + the steps of about one second leaves the others
-that second to see it.
+without it), so any S > b is still ahead of every rank; S = b + the steps of about half a second leaves the others
+that long (ten of their looks at the store) to see it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ..parallel import Parallel
 
 __all__ = ["AGREE_WITHIN_S", "StopRequest", "interrupted_message"]
 
-AGREE_WITHIN_S = 1.0  # how far ahead, in seconds of steps, a rank proposes the step every rank stops after
+AGREE_WITHIN_S = 0.5  # how far ahead, in seconds of steps, a rank proposes the step every rank stops after
 _POLL_S = 0.05  # how often each rank looks for a proposal in the store
 _EXIT_INTERRUPTED = 130
 
