@@ -198,6 +198,10 @@ ELASTIC_RUN = ("--strategy", "ddp", "--dataset", "digits60k", "--quiet", "--epoc
 ELASTIC_RUN += ("--checkpoint-every", "40", "--keep-checkpoints", "10")
 
 
+def _step(checkpoint: Path) -> int:
+    return int(checkpoint.stem.rsplit("-", 1)[1])
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.5)
@@ -218,9 +222,17 @@ def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
             assert survivor.poll() is None and time.monotonic() < deadline, "the first agent never listened"
             time.sleep(0.1)
         victim = start_cli("train", *common, "--metrics-out", str(tmp_path / "victim.json"), env=env)
-        while not (directory / "epoch-0000-step-000080.pt").exists():
+        # the victim joins the first round, or (a loaded machine makes it miss the round's 3 s last call) the
+        # survivor's group re-forms to take it in: either way its worker is rank 1 of a two-node group, and the
+        # kill comes after that group wrote a checkpoint
+        while worker_with_rank(victim.pid, 1) is None:
             assert survivor.poll() is None and victim.poll() is None, "an agent ended early"
-            assert time.monotonic() < deadline + 120, "no checkpoint at step 80"
+            assert time.monotonic() < deadline + 120, "the victim never joined the group"
+            time.sleep(0.05)
+        joined = time.time()
+        while not [p for p in directory.glob("epoch-*.pt") if p.stat().st_mtime > joined + 0.5 and _step(p) >= 80]:
+            assert survivor.poll() is None and victim.poll() is None, "an agent ended early"
+            assert time.monotonic() < deadline + 180, "no checkpoint at step 80 or later from the two-node group"
             time.sleep(0.01)
         for pid in [victim.pid, *descendants(victim.pid)]:
             with contextlib.suppress(ProcessLookupError):
@@ -234,8 +246,9 @@ def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
             if proc is not None:
                 proc.communicate()
     metrics = json.loads((tmp_path / "survivor.json").read_text())
-    assert metrics["world_size"] == 1 and metrics["restarts"] == 1
-    assert metrics["recoveries"][0]["resumed_at_step"] >= 80
+    # one restart for the lost node (and one before it where the group re-formed to take the victim in)
+    assert metrics["world_size"] == 1 and metrics["restarts"] in (1, 2), metrics["recoveries"]
+    assert metrics["recoveries"][-1]["resumed_at_step"] >= 80
     reference = tmp_path / "reference"
     train(TrainConfig(dataset="digits60k", epochs=1, max_steps=240, quiet=True, checkpoint_dir=str(reference)))
     mine, theirs = (load_checkpoint(latest_checkpoint(d))["model"] for d in (directory, reference))
