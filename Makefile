@@ -1,5 +1,5 @@
 # make run   : the main job (creates .venv on first use)
-# make test  : lint, type-check and the whole test suite, with the 25 slowest tests (what CI runs)
+# make test  : lint, type-check and the whole test suite (two workers), with the 25 slowest tests (what CI runs)
 # make unit  : the tests that start no process (under a minute): the quick loop while changing a module
 PYTHON ?= python3
 VENV   ?= .venv
@@ -34,8 +34,11 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not processes"
 
+# two workers, a test module each at a time: the process tests mostly wait (timeouts, launches), so two halve
+# the wall time on two cores; SUITE_WORKERS=0 runs everything in this one process
+SUITE_WORKERS ?= 2
 suite: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(SUITE_WORKERS)),,-n $(SUITE_WORKERS) --dist loadfile)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_data_parallel.py
