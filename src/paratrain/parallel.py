@@ -37,11 +37,12 @@ from .accumulation import check_steps, cut, micro_sizes, samples_in
 from .checkpoint import load_checkpoint, save_checkpoint
 from .devices import DeviceLike
 from .environment import ClusterEnvironment
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .precision import Precision, select_precision
 from .prepared import BatchLedger, PreparedIndexedLoader, PreparedLoader, Recording, prepare_loader
+from .shard_checkpoint import has_shards, is_sharded_checkpoint, materialize, open_sharded, save_sharded
 from .strategies import ReduceOp, Strategy, select_strategy
-from .tree import flatten
+from .tree import flatten, map_tensors
 
 __all__ = ["Parallel", "seed_everything"]
 
@@ -120,6 +121,7 @@ class Parallel:
         self._micro = Recording(self._ledger)  # the micro-batch accumulate() is feeding
         self._warned_unmatched = False
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._trains: dict[int, set[int]] = {}  # a prepared optimizer (by id) -> the model parameters it trains
         self._handles: list[RemovableHandle] = []
         self._no_sync_depth = 0
         self._local_grads = False  # the latest backward ran inside no_sync: gradients are this process's own
@@ -200,9 +202,13 @@ class Parallel:
             self._handles += self.precision.attach(wrapped)
             return wrapped
         if isinstance(obj, torch.optim.Optimizer):
-            self._optimizers.append(weakref.ref(obj))
-            self._handles.append(obj.register_step_pre_hook(self._before_step))
-            return obj  # parameters moved in place by .to(), so the optimizer still holds the right ones
+            # parameters moved in place by .to(), so the optimizer still holds the right ones; a sharded strategy
+            # returns one of the same class over this process's shard
+            prepared = self.strategy.wrap_optimizer(obj)
+            self._optimizers.append(weakref.ref(prepared))
+            self._trains[id(prepared)] = {id(p) for p in _params_of(obj)}
+            self._handles.append(prepared.register_step_pre_hook(self._before_step))
+            return prepared
         if isinstance(obj, Iterable):
             loader = prepare_loader(obj, self.strategy, self._ledger)
             self._loaders.append(weakref.ref(loader))
@@ -333,7 +339,7 @@ class Parallel:
         module = self.unwrap(model)
         if self.precision.scaled:
             params = {id(p) for p in module.parameters()}
-            holding = [opt for opt in self._live_optimizers() if any(id(p) in params for p in _params_of(opt))]
+            holding = [opt for opt in self._live_optimizers() if params & self._trains.get(id(opt), set())]
             if not holding:
                 raise ConfigError(
                     f"clip_grad_norm_() under precision {self.precision.name!r} unscales the gradients first, "
@@ -342,6 +348,15 @@ class Parallel:
                 )
             self.precision.unscale(holding)
         return self.strategy.clip_grad_norm_(module, max_norm, norm_type)
+
+    def gradients(self, model: nn.Module) -> list[torch.Tensor | None]:
+        """Every parameter's synchronised gradient, whole, in ``parameters()`` order (None where there is none).
+
+        Under single, dp and ddp, each ``.grad``; under zero2 no process holds a whole gradient, so they are
+        gathered from every process's shard (a collective: call it in every process), for checks such as
+        ``paratrain verify``.
+        """
+        return self.strategy.gradients(model)
 
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` for each, through the precision: False when the step was skipped.
@@ -411,15 +426,67 @@ class Parallel:
         return self.strategy.unwrap(model)
 
     def save(self, state: dict[str, Any], path: str | Path) -> Path | None:
-        """Write a training state atomically, from the main process only; every process waits for it."""
+        """Write a training state atomically; every process calls it and waits for it.
+
+        Values that are prepared models or optimizers are saved as the strategy holds them: their state dicts
+        (written by the main process), or under ``zero1``/``zero2`` each process's slices of them, written by
+        each process into a sharded checkpoint: the directory ``path`` without ``.pt``
+        (:mod:`paratrain.shard_checkpoint`). Either loads under any strategy and number of processes. Returns the
+        path written, in the main process.
+        """
         target = Path(path)
-        written = save_checkpoint(state, target.parent, target.name) if self.is_main else None
+        converted = {key: self._state_of(value) for key, value in state.items()}
+        if has_shards(converted):
+            name = target.name.removesuffix(".pt")
+            directory = save_sharded(
+                converted, target.parent, name, rank=self.rank, world_size=self.world_size, barrier=self.barrier
+            )
+            return directory if self.is_main else None
+        written = save_checkpoint(converted, target.parent, target.name) if self.is_main else None
         self.barrier()
         return written
 
-    def load(self, path: str | Path) -> dict[str, Any]:
-        """Read a training state written by :meth:`save`, tensors mapped onto this process's device."""
-        return load_checkpoint(path, map_location=self.device)
+    def _state_of(self, value: Any) -> Any:
+        if isinstance(value, nn.Module):
+            return self.strategy.model_state(value)
+        if isinstance(value, torch.optim.Optimizer):
+            return self.strategy.optimizer_state(value)
+        if isinstance(value, dict) and "paratrain_shard" in value:
+            raise ConfigError(
+                "the state to save holds one process's shard of an optimizer's state (its state_dict() under a "
+                "sharded strategy); pass the optimizer itself, par.save({'optimizer': optimizer, ...}, path), so "
+                "that every process writes its own shard"
+            )
+        return value
+
+    def load(self, path: str | Path, into: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Read a training state written by :meth:`save` (a file or a sharded checkpoint) onto :attr:`device`.
+
+        ``into`` maps keys of the state to prepared models and optimizers, which are loaded from it in place
+        (under a sharded strategy an optimizer reads only the slices of its own shard) and left out of the
+        returned dict; every other value is returned whole.
+
+        Raises:
+            CheckpointError: the checkpoint is missing, damaged, or has no entry for a key of ``into``.
+        """
+        source = Path(path)
+        sharded = is_sharded_checkpoint(source)
+        if not sharded and not into:
+            return load_checkpoint(source, map_location=self.device)
+        state = open_sharded(source) if sharded else load_checkpoint(source)
+        for key, obj in (into or {}).items():
+            if key not in state:
+                raise CheckpointError(f"checkpoint {source} has no {key!r} entry to load into the {type(obj).__name__}")
+            value = state.pop(key)
+            if isinstance(obj, torch.optim.Optimizer):
+                self.strategy.load_optimizer_state(obj, value)
+            else:
+                self.unwrap(obj).load_state_dict(materialize(value))
+        rest: dict[str, Any] = materialize(state)
+        if self.device.type == "cpu":
+            return rest
+        moved: dict[str, Any] = map_tensors(lambda t: t.to(self.device), rest)
+        return moved
 
     def close(self, clean: bool = True) -> None:
         """Release the strategy's resources (threads, process groups).
