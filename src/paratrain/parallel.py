@@ -470,6 +470,8 @@ class Parallel:
             CheckpointError: the checkpoint is missing, damaged, or has no entry for a key of ``into``.
         """
         source = Path(path)
+        if not source.exists() and is_sharded_checkpoint(source.with_suffix("")):
+            source = source.with_suffix("")  # the path save() was given: it wrote the directory without .pt
         sharded = is_sharded_checkpoint(source)
         if not sharded and not into:
             return load_checkpoint(source, map_location=self.device)

@@ -49,6 +49,7 @@ __all__ = [
     "is_sharded_checkpoint",
     "materialize",
     "open_sharded",
+    "read_plain",
     "save_sharded",
     "verify_sharded",
 ]
@@ -378,6 +379,11 @@ def materialize(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(materialize(v) for v in state)
     return state
+
+
+def read_plain(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's state without reading any slice: a file whole, a sharded checkpoint's index (lazy tensors)."""
+    return open_sharded(path) if is_sharded_checkpoint(path) else load_checkpoint(path)
 
 
 def verify_sharded(path: str | Path) -> dict[str, Any]:

@@ -166,8 +166,14 @@ class DistributedStrategy(Strategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self._device)
         device_ids = [self._device] if self._device.type == "cuda" else None
+        # the buckets are the gradients (torch's gradient_as_bucket_view): one copy of them, not two, as the
+        # sharded strategies keep them too (docs/sharding.md's memory table)
         wrapped = DistributedDataParallel(
-            model, device_ids=device_ids, timeout=self._timeout, hang_report=self._hang_report
+            model,
+            device_ids=device_ids,
+            gradient_as_bucket_view=True,
+            timeout=self._timeout,
+            hang_report=self._hang_report,
         )
         self._ddp.append(wrapped)
         return wrapped

@@ -1,8 +1,9 @@
-"""``paratrain plan``: how fast will ddp be on N devices, before renting them?
+"""``paratrain plan``: how fast will ddp be on N devices, and will the model fit (ddp, zero1, zero2), before renting?
 
     paratrain plan                                        # SimpleNet, world sizes 1..8, on this machine
     paratrain plan --model mlp --width 2048 --max-world-size 4 --validate
     paratrain plan --per-node 8 --max-world-size 32 --link-bandwidth 12.5 --link-latency 2e-5   # 4 machines
+    paratrain plan --model mlp --width 8192 --optimizer adamw --device-memory 80GB   # will it fit, and on how many
 
 Everything it needs is measured here, on one device, in seconds: forward, backward and optimizer time at the
 per-device batch each N implies (the global ``--batch-size`` split N ways), when each gradient becomes ready
@@ -38,6 +39,7 @@ from .plan_measure import (
     read_link_file,
     threads_per_process,
 )
+from .plan_memory import MemoryRow, check_bytes, measure_memory, parse_bytes, render_memory, smallest_fit
 from .plan_model import (
     BucketSpec,
     Link,
@@ -90,6 +92,12 @@ class PlanConfig(TimingSettings, RunSettings):
         "FILE`, instead of --link-bandwidth/--link-latency",
         metavar="FILE.json",
     )
+    device_memory: str | None = setting(
+        None,
+        "memory of each device (80GB, 24GiB): plan says the fewest devices ddp, zero1 and zero2 fit the model on",
+        check=check_bytes,
+        metavar="SIZE",
+    )
     validate: bool = setting(False, "also run bench on what this machine can run and print the prediction error")
     max_error: float = setting(
         0.15, "--validate: the largest prediction error that passes (0.15 = 15%)", check=positive()
@@ -126,6 +134,7 @@ class PlanReport:
     inputs: dict[str, Any]
     validation: list[dict[str, Any]] = field(default_factory=list)
     written: list[str] = field(default_factory=list)  # the files written (the JSON report)
+    memory: list[MemoryRow] = field(default_factory=list)  # bytes per device of ddp, zero1 and zero2 at each N
 
     @property
     def ok(self) -> bool:
@@ -145,7 +154,14 @@ class PlanReport:
             "assumptions": self.assumptions,
             "inputs": self.inputs,
             "validation": self.validation,
+            "memory": [{**asdict(r), "model_states": r.model_states, "total": r.total} for r in self.memory],
+            "fewest_devices": self.fewest_devices(),
         }
+
+    def fewest_devices(self) -> dict[str, int | None] | None:
+        """With --device-memory: the fewest devices ddp, zero1 and zero2 fit on (None: not up to max-world-size)."""
+        limit = self.settings.get("device_memory")
+        return smallest_fit(self.memory, parse_bytes(limit)) if limit and self.memory else None
 
     def render(self) -> str:
         headers = ["world size", "batch/device", "step ms", "samples/s", "speed-up", "efficiency", "exposed comm ms"]
@@ -163,6 +179,10 @@ class PlanReport:
         ]
         lines = [format_table(headers, table), "", "assumptions:"]
         lines += [f"  - {a}" for a in self.assumptions]
+        if self.memory:
+            limit = self.settings.get("device_memory")
+            lines += ["", *render_memory(self.memory, parse_bytes(limit) if limit else None)]
+            lines.append("  step times above are ddp's; zero1 and zero2 run within a few percent of it on this machine")
         lines.append("")
         lines.append(self.verdict())
         if self.validation:
@@ -314,6 +334,8 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         "per_world_size": inputs_rows,
     }
     report = PlanReport(asdict(config), rows, recommended, assumptions, inputs)
+    sample = work.sample_batch(1)[0].to(device)
+    report.memory = measure_memory(model.to(device), sample, config.optimizer, config.momentum, per_device)
     if config.validate:
         report.validation = validate_plan(
             config,

@@ -2,6 +2,7 @@
 
     code = train_command(TrainConfig(epochs=1), LaunchConfig())                       # single, dp: here
     code = train_command(TrainConfig(strategy="ddp"), LaunchConfig(nproc_per_node=2))  # two ranks, launched
+    code = train_command(TrainConfig(strategy="zero2"), LaunchConfig(nproc_per_node=4))  # sharded, four ranks
 
 Every decision of the command lives here, not in the command line: which strategy ``auto`` is, whether this
 process starts workers or is one, which devices ddp takes, what must hold before workers start (outputs, the
@@ -20,7 +21,7 @@ from ..environment import ClusterEnvironment
 from ..errors import ConfigError
 from ..launch import LaunchConfig, launch
 from ..settings import flag_of
-from ..strategies import check_ddp_devices, resolve_strategy
+from ..strategies import PROCESS_STRATEGIES, check_ddp_devices, resolve_strategy
 from .config import TrainConfig
 from .job import train
 
@@ -40,14 +41,14 @@ def train_command(config: TrainConfig, launcher: LaunchConfig | None = None) -> 
     config.check()  # here, before any worker process starts
     environment = ClusterEnvironment.detect()
     strategy = resolve_strategy(config.strategy, config.devices, environment)
-    if strategy != "ddp":
+    if strategy not in PROCESS_STRATEGIES:
         given = _launcher_settings_given(launcher)
         if given:
             raise ConfigError(
                 f"{', '.join(given)} start processes for strategy ddp, but strategy {config.strategy!r} resolves to "
                 f"{strategy!r}, which runs in this one process; add --strategy ddp, or drop {', '.join(given)}"
             )
-    if strategy == "ddp" and not environment.launched:
+    if strategy in PROCESS_STRATEGIES and not environment.launched:
         return launch_train(config, launcher)
     train(config)
     return 0
@@ -61,7 +62,7 @@ def launch_train(config: TrainConfig, launcher: LaunchConfig) -> int:
             write, or restarts without checkpoints to restart from.
     """
     launcher.check()
-    check_ddp_devices(config.devices, "--devices")
+    check_ddp_devices(config.devices, "--devices", resolve_strategy(config.strategy, config.devices))
     if launcher.is_single_node:
         config.check_outputs()  # rank 0 runs on this machine: its outputs are checked before it starts
     if launcher.max_restarts and config.checkpoint_dir is None:
