@@ -34,15 +34,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .accumulation import check_steps, cut, micro_sizes, samples_in
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint_io import load_state, save_state
 from .devices import DeviceLike
 from .environment import ClusterEnvironment
-from .errors import CheckpointError, ConfigError
+from .errors import ConfigError
 from .precision import Precision, select_precision
 from .prepared import BatchLedger, PreparedIndexedLoader, PreparedLoader, Recording, prepare_loader
-from .shard_checkpoint import has_shards, is_sharded_checkpoint, materialize, open_sharded, save_sharded
 from .strategies import ReduceOp, Strategy, select_strategy
-from .tree import flatten, map_tensors
+from .tree import flatten
 
 __all__ = ["Parallel", "seed_everything"]
 
@@ -434,30 +433,7 @@ class Parallel:
         (:mod:`paratrain.shard_checkpoint`). Either loads under any strategy and number of processes. Returns the
         path written, in the main process.
         """
-        target = Path(path)
-        converted = {key: self._state_of(value) for key, value in state.items()}
-        if has_shards(converted):
-            name = target.name.removesuffix(".pt")
-            directory = save_sharded(
-                converted, target.parent, name, rank=self.rank, world_size=self.world_size, barrier=self.barrier
-            )
-            return directory if self.is_main else None
-        written = save_checkpoint(converted, target.parent, target.name) if self.is_main else None
-        self.barrier()
-        return written
-
-    def _state_of(self, value: Any) -> Any:
-        if isinstance(value, nn.Module):
-            return self.strategy.model_state(value)
-        if isinstance(value, torch.optim.Optimizer):
-            return self.strategy.optimizer_state(value)
-        if isinstance(value, dict) and "paratrain_shard" in value:
-            raise ConfigError(
-                "the state to save holds one process's shard of an optimizer's state (its state_dict() under a "
-                "sharded strategy); pass the optimizer itself, par.save({'optimizer': optimizer, ...}, path), so "
-                "that every process writes its own shard"
-            )
-        return value
+        return save_state(self.strategy, state, path)
 
     def load(self, path: str | Path, into: dict[str, Any] | None = None) -> dict[str, Any]:
         """Read a training state written by :meth:`save` (a file or a sharded checkpoint) onto :attr:`device`.
@@ -469,26 +445,7 @@ class Parallel:
         Raises:
             CheckpointError: the checkpoint is missing, damaged, or has no entry for a key of ``into``.
         """
-        source = Path(path)
-        if not source.exists() and is_sharded_checkpoint(source.with_suffix("")):
-            source = source.with_suffix("")  # the path save() was given: it wrote the directory without .pt
-        sharded = is_sharded_checkpoint(source)
-        if not sharded and not into:
-            return load_checkpoint(source, map_location=self.device)
-        state = open_sharded(source) if sharded else load_checkpoint(source)
-        for key, obj in (into or {}).items():
-            if key not in state:
-                raise CheckpointError(f"checkpoint {source} has no {key!r} entry to load into the {type(obj).__name__}")
-            value = state.pop(key)
-            if isinstance(obj, torch.optim.Optimizer):
-                self.strategy.load_optimizer_state(obj, value)
-            else:
-                self.unwrap(obj).load_state_dict(materialize(value))
-        rest: dict[str, Any] = materialize(state)
-        if self.device.type == "cpu":
-            return rest
-        moved: dict[str, Any] = map_tensors(lambda t: t.to(self.device), rest)
-        return moved
+        return load_state(self.strategy, path, into)
 
     def close(self, clean: bool = True) -> None:
         """Release the strategy's resources (threads, process groups).
