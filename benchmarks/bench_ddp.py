@@ -21,8 +21,10 @@ Step time is measured two ways, because they disagree on a shared machine and a 
 The workers meet in a TCP store hosted by this process, as torchrun's agent hosts it, so the store traffic of
 paratrain's progress board crosses processes as it does under the launcher. The whole measurement repeats in
 --invocations fresh sets of processes; the report gives every invocation's ratio and their median, min and max.
-Targets: the median free-running step ratio at most 1.0 (paratrain's DDP, with its fault detection on, no slower
-than torch's), bucketed bandwidth at least 0.9 of flat.
+A fourth mode is paratrain's DDP without the drift check (each rank's collective numbers compared with a peer's
+on the board's thread, docs/hangs.md): what that check costs a step. Targets: the median free-running step ratio
+at most 1.0 (paratrain's DDP, with its fault detection on, no slower than torch's), the drift check within 1% of
+the step, bucketed bandwidth at least 0.9 of flat.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         "torch DDP": nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=ids),
         "paratrain DDP": DistributedDataParallel(copy.deepcopy(base), device_ids=ids),
         "paratrain DDP, no overlap": DistributedDataParallel(copy.deepcopy(base), device_ids=ids, _overlap=False),
+        "paratrain DDP, no drift check": DistributedDataParallel(
+            copy.deepcopy(base), device_ids=ids, _hang_checks=False
+        ),
     }
     steps = {name: sgd_step(model, x, y) for name, model in modes.items()}
     samples: dict[str, list[float]] = {name: [] for name in modes}
@@ -156,6 +161,7 @@ def _ratios(result: dict[str, Any]) -> dict[str, float]:
         "lockstep": lock["paratrain DDP"] / lock["torch DDP"],
         "free_running": free["paratrain DDP"] / free["torch DDP"],
         "overlap_saves": 1 - free["paratrain DDP"] / free["paratrain DDP, no overlap"],
+        "drift_check_costs": free["paratrain DDP"] / free["paratrain DDP, no drift check"] - 1,
         "torch_step_ms": free["torch DDP"] * 1e3,
     }
 
@@ -169,12 +175,20 @@ def report(results: list[dict[str, Any]], world: int, args: argparse.Namespace) 
     )
     per_run = [_ratios(r) for r in results]
     rows = [
-        [i + 1, r["torch_step_ms"], r["lockstep"], r["free_running"], 100 * r["overlap_saves"]]
+        [
+            i + 1,
+            r["torch_step_ms"],
+            r["lockstep"],
+            r["free_running"],
+            100 * r["overlap_saves"],
+            100 * r["drift_check_costs"],
+        ]
         for i, r in enumerate(per_run)
     ]
-    print_table(["invocation", "torch step ms", "lockstep ratio", "free-running ratio", "overlap saves %"], rows)
+    headers = ["invocation", "torch step ms", "lockstep ratio", "free-running ratio", "overlap saves %"]
+    print_table([*headers, "drift check costs %"], rows)
     summary = {}
-    for key in ("lockstep", "free_running"):
+    for key in ("lockstep", "free_running", "drift_check_costs"):
         values = [r[key] for r in per_run]
         summary[key] = {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
     ratio = summary["free_running"]["median"]
@@ -190,6 +204,8 @@ def report(results: list[dict[str, Any]], world: int, args: argparse.Namespace) 
     factor = 2 * (world - 1) / world if world > 1 else 1.0
     bandwidth = {name: [x for r in results for x in r["bandwidth"][name]] for name in first["bandwidth"]}
     busbw = {name: factor * nbytes / statistics.median(s) / 1e9 for name, s in bandwidth.items()}
+    drift = summary["drift_check_costs"]["median"]
+    print(f"the drift check costs {100 * drift:+.2f}% of paratrain's step, median over invocations (target < 1%)")
     bw_ratio = busbw["paratrain buckets"] / busbw["flat all_reduce"]
     print(f"\nGradient all-reduce of {nbytes / 2**20:.1f} MiB in {len(first['buckets'])} buckets\n")
     print_table(

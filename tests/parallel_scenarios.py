@@ -152,3 +152,18 @@ def unmatched_batch_warns_once(rank: int, world: int) -> dict[str, Any]:
             par.backward(F.cross_entropy(model(x * 1.0), y))  # x * 1.0: not the tensor the loader yielded
         par.backward(F.cross_entropy(model(x), y))  # the loader's own tensor: matched
     return {"warnings": [str(w.message) for w in caught if "no prepared loader yielded unchanged" in str(w.message)]}
+
+
+def forgot_prepare(rank: int, world: int) -> dict[str, Any]:
+    """The loop runs a model that was never prepared: under ddp each rank would train its own copy."""
+    par = paratrain.Parallel("ddp", "cpu")
+    model = mlp()  # not par.prepare(model)
+    (loader,) = (par.prepare(DataLoader(_data(4), batch_size=6)),)
+    x, y = next(iter(loader))
+    try:
+        par.backward(F.cross_entropy(model(x), y))
+        found = {"error": None}
+    except paratrain.ConfigError as exc:
+        found = {"error": str(exc)}
+    par.close()
+    return found

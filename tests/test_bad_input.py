@@ -16,7 +16,7 @@ import torch
 
 from conftest import run_main
 from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from paratrain.errors import CheckpointError
+from paratrain.errors import CheckpointError, ConfigError
 from paratrain.training import TrainConfig, train
 from processes import cli_command, descendants, run_cli, start_cli
 
@@ -107,7 +107,7 @@ def test_a_new_learning_rate_on_resume_is_used_and_recorded(tmp_path):
     assert faster.model_fingerprint != same.model_fingerprint  # the new rate really trained
     state = load_checkpoint(latest_checkpoint(tmp_path / "b"))
     assert state["optimizer"]["param_groups"][0]["lr"] == 0.05
-    with pytest.raises(CheckpointError, match="batch_size: checkpoint 64, this run 32"):
+    with pytest.raises(ConfigError, match="--batch-size: checkpoint 64, this run 32"):
         train(TrainConfig(epochs=2, batch_size=32, quiet=True, resume=resume))
 
 

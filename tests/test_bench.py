@@ -24,8 +24,7 @@ def bench_run(tmp_path_factory):
         "bench",
         *("--model", "mlp", "--width", "16", "--depth", "1", "--input-shape", "6", "--num-classes", "3"),
         *("--batch-size", "12", "--warmup", "1", "--steps", "3", "--repeats", "1"),
-        # ddp's processes are started by the runner that verify's tests exercise; here: what bench adds
-        *("--configs", "dp:cpu,cpu", GPU_DP, "--report-out", str(out)),
+        *("--configs", "dp:cpu,cpu", "ddp:2", GPU_DP, "--report-out", str(out)),
         env={"OMP_NUM_THREADS": "1"},
     )
     return result, out
@@ -53,7 +52,11 @@ def test_every_configuration_is_measured_against_single(bench_run):
 
 @pytest.mark.processes
 def test_markdown_and_plot_are_written_beside_the_json(bench_run):
-    _, out = bench_run
+    result, out = bench_run
+    written = [str(out), str(out.with_suffix(".md"))] + ([str(out.with_suffix(".png"))] if plotting_available() else [])
+    assert f"wrote {', '.join(written)}" in result.stdout  # every file, not only the JSON
+    # the footnote gives each ddp configuration's threads, as a number
+    assert "(ddp:2: 1 thread each)" in result.stdout and "//" not in result.stdout
     markdown = out.with_suffix(".md").read_text()
     assert markdown.startswith("| configuration | devices | step ms |") and "| dp:cpu,cpu | 2 |" in markdown
     png = out.with_suffix(".png")

@@ -119,3 +119,21 @@ def test_an_entry_says_where_the_rank_runs_and_what_its_monitor_reports():
     finally:
         board.close()
         other.close()
+
+
+def test_a_rank_that_saw_the_failure_and_left_is_not_named_as_silent():
+    """The race CI met: two ranks see a peer's exit; the one that reports fast and exits must not be named by the
+    slower one as a rank that stopped responding. Only the rank that never said anything is silent."""
+    store = DictStore()
+    boards = _boards(store, 3)
+    try:
+        _wait_for(lambda: all(e and e.get("pid") for e in boards[0].read().values()))
+        boards[1].failed(7)
+        boards[1].close()  # it raised and left: its heartbeat stops
+        boards[2].close()  # it died without a word
+        silent, unknown = boards[0].silent(watch=0.1)
+        assert (silent, unknown) == ([2], [])
+        assert boards[0].read()[1]["failed"] == 7
+    finally:
+        for board in boards:
+            board.close()

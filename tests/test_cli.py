@@ -7,6 +7,7 @@ import json
 import pytest
 
 from conftest import run_main
+from processes import CLI_TIMEOUT_S, start_cli
 from processes import run_cli as _run
 
 
@@ -60,3 +61,71 @@ def test_usage_errors_exit_2_without_traceback(capsys, args, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+
+
+# --- help and wording -----------------------------------------------------------------------------------------------
+
+
+def test_launch_help_wraps_its_description_and_keeps_its_examples(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_main(capsys, "launch", "--help")
+    assert code == 0
+    description = out.split("\n\n")[1]  # after the usage block
+    assert description.startswith("Start SCRIPT") and all(len(line) <= 80 for line in description.splitlines())
+    assert "\n  paratrain launch --nproc-per-node 4 train.py --epochs 3\n" in out  # an example line, kept whole
+
+
+def test_demo_help_gives_every_option_its_help_and_default(capsys):
+    code, out, _ = run_main(capsys, "demo", "--help")
+    assert code == 0
+    for flag, default in (("--devices", "auto"), ("--batch-size", "30"), ("--data-size", "100"), ("--seed", "0")):
+        entry = " ".join(out.split(flag, 2)[2].split("--")[0].split())  # the text after the option's name
+        assert f"(default {default})" in entry, entry
+
+
+def test_a_script_option_before_the_script_says_where_script_options_go(capsys):
+    code, _, err = run_main(capsys, "launch", "--epochs", "1", "train.py")
+    assert code == 2 and err.count("\n") == 1
+    assert "unrecognized arguments: --epochs; options for the script go after it" in err
+
+
+@pytest.mark.parametrize("args", [["--timeout", "5"], ["--strategy", "dp", "--devices", "cpu,cpu", "--timeout", "5"]])
+def test_timeout_for_a_run_in_one_process_is_refused(capsys, args):
+    code, out, err = run_main(capsys, "train", *args)
+    assert code == 2 and "Epoch" not in out
+    assert "--timeout is for strategy 'ddp'" in err and "which runs in this one process" in err
+
+
+def test_dp_on_one_device_says_it_runs_one_replica_and_counts_are_singular(capsys):
+    code, out, err = run_main(capsys, "train", "--strategy", "dp", "--epochs", "1", "--max-steps", "1")
+    assert code == 0, err
+    assert "note: --strategy dp on one device (cpu) runs a single replica" in err and "--devices cpu,cpu" in err
+    assert ", 1 epoch\n" in out and "1 epochs" not in out
+
+
+# --- pipes ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "args, lines",
+    [(["train", "--epochs", "3", "--log-every", "1"], 2), (["demo", "--devices", "cpu,cpu,cpu"], 3)],
+)
+def test_a_closed_pipe_ends_the_command_quietly(args, lines):
+    """`paratrain train | head -2`: the reader goes away; the command ends as a Unix tool does, no traceback."""
+    proc = start_cli(*args)
+    assert proc.stdout is not None and proc.stderr is not None
+    for _ in range(lines):
+        assert proc.stdout.readline()
+    proc.stdout.close()  # head exits
+    err = proc.stderr.read()
+    assert proc.wait(timeout=CLI_TIMEOUT_S) == 141, err  # 128 + SIGPIPE, as a shell shows for `yes | head`
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.processes
+def test_metrics_to_dev_stdout_go_through_a_pipe_as_json():
+    result = _run("train", "--epochs", "1", "--max-steps", "2", "--metrics-out", "/dev/stdout")
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(result.stdout)  # stdout holds the JSON alone: the run's lines went to stderr
+    assert metrics["steps"] == 2 and "Stopped at epoch 0, batch 2" in result.stderr

@@ -114,7 +114,9 @@ def test_a_stopped_worker_is_named_and_the_job_ends_soon_after_the_timeout(tmp_p
     assert proc.returncode == 1, output
     assert f"did not complete within {timeout}s: rank(s) 1 did not arrive" in output
     assert "show no sign of life" in output
-    assert "Root Cause" in output and "rank      : 0" in output  # torchrun's summary: rank 0 failed first
+    # the launcher's line for the rank that failed first, quoting its error, instead of torchrun's traceback
+    assert "paratrain train: rank 0 exited with code 1: paratrain train: error: " in output, output
+    assert "ChildFailedError" not in output
     assert ended_after < timeout + 15, f"the job ended {ended_after:.1f}s after the stop\n{output}"
     report = json.loads((tmp_path / "hang.json").read_text())  # the report of every rank, where it was asked for
     assert [r["state"].split(":")[0] for r in report["ranks"]] == ["alive", "stopped"], report["ranks"]
@@ -264,3 +266,66 @@ def test_an_endpoint_no_one_answers_fails_within_the_rendezvous_timeout_naming_i
     assert last.startswith("paratrain launch: error: the nodes did not meet") and f"127.0.0.2:{port}" in last
     assert "--rdzv-timeout 5 s" in last
     assert took < 2 * 5 + 40, f"{took:.0f} s"  # twice the timeout, plus start-up on a loaded machine
+
+
+# --- Ctrl-C: one clean stop, a checkpoint where the run was, and --resume continues from it ------------------------
+
+
+def _interrupt_after(proc: subprocess.Popen[str], line_start: str) -> str:
+    """Read ``proc``'s stdout until a line starts with ``line_start``, then send SIGINT to ``proc`` (only: as a
+    terminal's Ctrl-C reaches the launcher, torchrun and its workers running in sessions of their own)."""
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(line_start):
+            proc.send_signal(signal.SIGINT)
+            return "".join(seen)
+    raise AssertionError(f"the run ended before {line_start!r}:\n{''.join(seen)}")
+
+
+def _stopped_at(out: str) -> tuple[int, Path]:
+    (line,) = [line for line in out.splitlines() if line.startswith("Interrupted: ")]
+    assert line.endswith("; the same command with --resume continues from there"), line
+    step = int(line.split("stopped after step ")[1].split()[0])
+    return step, Path(line.split(" and saved ")[1].split(";")[0])
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_ends_as_the_uninterrupted_run(tmp_path):
+    args = ("train", "--epochs", "3", "--log-every", "1", "--checkpoint-dir", str(tmp_path))
+    proc = start_cli(*args)
+    seen = _interrupt_after(proc, "Epoch 1, Step 5,")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err == "", err  # one line says it all, on stdout; no traceback
+    step, saved = _stopped_at(seen + out)
+    assert saved.exists() and load_checkpoint(saved)["global_step"] == step and 23 + 6 <= step < 3 * 23
+    metrics = tmp_path / "m.json"
+    resumed = run_cli(*args, "--resume", "--quiet", "--metrics-out", str(metrics))
+    assert resumed.returncode == 0, resumed.stderr
+    result = json.loads(metrics.read_text())
+    assert result["resumed_from"] == str(saved) and result["steps"] == 3 * 23 - step
+    assert result["model_fingerprint"] == train(TrainConfig(epochs=3, quiet=True)).model_fingerprint
+
+
+def test_ctrl_c_under_ddp_stops_every_rank_after_the_same_step_in_one_line(tmp_path):
+    # the ranks agree on a step about half a second ahead: an epoch of digits60k (938 steps) outlasts that
+    args = ("train", "--strategy", "ddp", "--nproc-per-node", "2", "--dataset", "digits60k", "--epochs", "1")
+    args += ("--log-every", "100", "--checkpoint-dir", str(tmp_path))
+    proc = start_cli(*args, env={"OMP_NUM_THREADS": "1"})
+    seen = _interrupt_after(proc, "Epoch 0, Step 100,")
+    workers = descendants(proc.pid)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "interrupted" not in err and "Signal" not in err, err  # no line per rank
+    step, saved = _stopped_at(seen + out)
+    state = load_checkpoint(saved)
+    assert state["global_step"] == step and (state["epoch"], state["batch"]) == (0, step) and 100 < step < 938
+    for pid in workers:  # the launcher, torchrun and both ranks are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    metrics = tmp_path / "m.json"
+    more = ("--resume", "--quiet", "--max-steps", "20", "--metrics-out", str(metrics))
+    resumed = run_cli(*args, *more, env={"OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr
+    result = json.loads(metrics.read_text())  # the ranks resumed together from the step rank 0 named
+    assert result["resumed_from"] == str(saved) and result["steps"] == 20

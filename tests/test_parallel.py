@@ -16,6 +16,7 @@ from conftest import run_main
 from parallel_scenarios import (
     batched_loader_order,
     eval_loader_between_forward_and_backward,
+    forgot_prepare,
     gather_pads_and_trims,
     train_job,
     unmatched_batch_warns_once,
@@ -212,6 +213,7 @@ def _parallel_suite(rank: int, world: int) -> dict:
             eval_loader_between_forward_and_backward,
             batched_loader_order,
             unmatched_batch_warns_once,
+            forgot_prepare,
         )
     }
 
@@ -265,6 +267,35 @@ def test_a_users_shuffle_order_is_kept(parallel_suite):
 def test_an_eval_loader_does_not_change_the_training_weight(parallel_suite):
     for found in (r["eval_loader_between_forward_and_backward"] for r in parallel_suite[1]):
         assert found["vs_single"] < 1e-5
+
+
+@pytest.mark.processes
+def test_a_loss_from_a_model_no_one_prepared_is_refused_on_every_rank(parallel_suite):
+    _, ranks = parallel_suite
+    for found in ranks:
+        assert "no model that par.prepare() returned has run forward" in found["forgot_prepare"]["error"]
+        assert "under ddp every process would train its own copy" in found["forgot_prepare"]["error"]
+
+
+def test_backward_without_a_prepared_model_says_to_prepare_it():
+    with paratrain.Parallel("single", "cpu") as par:
+        model = torch.nn.Linear(4, 2)
+        with pytest.raises(ConfigError, match=r"Call model = par.prepare\(model\)"):
+            par.backward(model(torch.randn(3, 4)).sum())
+        prepared = par.prepare(model)  # the same loss through the prepared model is fine
+        par.backward(prepared(torch.randn(3, 4)).sum())
+        assert model.weight.grad is not None
+
+
+def test_the_global_batch_note_gives_the_shares_and_the_batch_to_give():
+    from paratrain.prepared import global_batch_note
+
+    data = TensorDataset(torch.zeros(10, 2))
+    assert global_batch_note(DataLoader(data, batch_size=30), 4) == (
+        "batch 30 is the global batch: 7 or 8 per process on 4 processes; for 30 per process give 120"
+    )
+    no_size = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
+    assert "each batch the loader yields is the global batch, cut into 2 shares" in global_batch_note(no_size, 2)
 
 
 @pytest.mark.processes

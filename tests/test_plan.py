@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
+import torch
 
 from paratrain.errors import ConfigError
 from paratrain.tools import PlanConfig, plan
@@ -37,7 +40,10 @@ def test_plan_predicts_every_world_size_with_measured_inputs(tmp_path):
     inputs = report["inputs"]
     assert {int(n) for n, _, _ in inputs["link_samples"]} == {2}  # all-reduces timed by 2 real processes
     assert set(inputs["local_links"]) == {"2"} and inputs["local_links"]["2"]["bandwidth"] > 0
-    assert report["recommended_world_size"] in (1, 2)
+    if report["reliable"]:
+        assert report["recommended_world_size"] in (1, 2)
+    else:  # a shared machine's load moved the tiny steps' medians: said, and no recommendation
+        assert report["recommended_world_size"] is None and "no recommendation: " in result.stdout
     assert "assumptions:" in result.stdout and "recommendation:" in result.stdout
     assert any("share this machine's" in a for a in report["assumptions"])
 
@@ -95,3 +101,52 @@ def test_slower_than_one_device_is_said():
     text = report.verdict()
     assert "stay on 1 device" in text and "2 devices: 0.50x" in text
     assert "with 2 devices a step is predicted SLOWER than on one device" in text
+
+
+# --- measurements that cannot be trusted are said to be, and never recommend -----------------------------------------
+
+SLEEPERS = {"input_shape": "6", "num_classes": 3, "batch_size": 12}
+
+
+@pytest.mark.processes
+def test_a_prediction_over_100_percent_efficiency_is_unreliable_not_a_recommendation(monkeypatch):
+    """A step whose time grows faster than its batch (what a busy machine's spinning threads do to one device):
+    two devices predicted more than twice as fast."""
+    tests = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))  # the peers'
+    report = plan(
+        PlanConfig(model="verify_models:superlinear", **SLEEPERS, max_world_size=2, steps=4, warmup=1, repeats=2)
+    )
+    assert report.row(2).efficiency > 1.0
+    assert not report.reliable and report.recommended is None
+    assert any("more than 2 devices can be" in reason for reason in report.unreliable)
+    text = report.render()
+    assert "no recommendation: the measurements are unreliable: 2 devices are predicted" in text
+    assert "run plan again on a quieter machine" in text and "recommendation: up to" not in text
+
+
+def test_measurements_that_moved_between_repeats_are_found():
+    from paratrain.tools.plan_measure import measure_profiles
+    from paratrain.tools.settings import RunSettings
+    from paratrain.tools.workload import Workload
+
+    work = Workload.load(RunSettings(model="verify_models:slows_down", **SLEEPERS))
+    _, moved = measure_profiles(work, torch.device("cpu"), [(12, 1)], steps=4, warmup=1, rounds=3)
+    assert moved[(12, 1)] > 1.0  # quiet for the first round, busy after it
+
+
+def test_unreliable_reasons_and_the_verdict_without_a_recommendation():
+    from paratrain.tools.plan_model import ScalingRow
+    from paratrain.tools.plan_report import PlanReport, unreliable_reasons
+
+    rows = [ScalingRow(1, 64, 1.0, 64.0, 1.0, 1.0, 0.0, 0.0), ScalingRow(2, 32, 0.035, 1828.0, 28.31, 14.15, 0, 0)]
+    reasons = unreliable_reasons(rows, {(64, 2): 0.3, (32, 1): 0.6})
+    assert reasons == [
+        "2 devices are predicted 28.31x faster than one (efficiency 1415%), more than 2 devices can be",
+        "the step at batch 32 on 1 thread moved by 60% between repeats (more than 50%)",
+    ]
+    report = PlanReport({"min_efficiency": 0.7}, rows, None, [], {"load_average": 3.5, "cores": 2}, unreliable=reasons)
+    assert report.verdict().startswith("no recommendation: the measurements are unreliable: 2 devices are")
+    assert "(its load average is 3.5 on 2 cores)" in report.verdict()
+    assert report.as_dict()["reliable"] is False and report.as_dict()["recommended_world_size"] is None
+    assert unreliable_reasons(rows[:1], {(64, 2): 0.1}) == []

@@ -116,7 +116,7 @@ def test_resume_refuses_what_it_cannot_use(tmp_path):
     fresh = train(_config(checkpoint_dir=str(tmp_path), resume="if-exists", epochs=1))
     assert fresh.resumed_from is None
     # another model's run in the same directory
-    with pytest.raises(CheckpointError, match=r"belongs to a different run.*model: checkpoint 'simplenet'"):
+    with pytest.raises(ConfigError, match=r"cannot continue: --model: checkpoint 'simplenet', this run 'mlp'"):
         train(_config(checkpoint_dir=str(tmp_path), resume="latest", model="mlp", epochs=2))
     # a truncated checkpoint: an error naming it, never a silent start from scratch
     latest = latest_checkpoint(tmp_path)
@@ -261,7 +261,7 @@ def test_progress_bar_and_lines_go_through_the_log(capsys):
     lines: list[str] = []
     result = train(TrainConfig(epochs=1, progress_bar=True, log_every=10), log=lines.append)
     err = capsys.readouterr().err
-    assert "epoch 1/1" in err and "samples_per_s" in err  # the tqdm bar, on stderr
+    assert "Epoch 0" in err and "samples_per_s" in err  # the tqdm bar, on stderr, numbered as the lines are
     steps = [line.split(",")[1].strip() for line in lines if line.startswith("Epoch 0, Step ")]
     assert steps == ["Step 0", "Step 10", "Step 20"]
     assert lines[-1].startswith("Done: ") and result.steps == 23
@@ -272,3 +272,57 @@ def test_samples_per_second_counts_the_training_steps_only(tmp_path):
     assert result.eval_seconds > 0 and result.checkpoint_seconds > 0 and result.train_seconds > 0
     assert result.samples_per_second == pytest.approx(result.samples / result.train_seconds)
     assert result.train_seconds + result.eval_seconds + result.checkpoint_seconds <= result.wall_seconds
+
+
+# --- one run per checkpoint directory ----------------------------------------------------------------------------
+
+
+def test_a_new_run_is_refused_a_directory_that_holds_another_runs_checkpoints(capsys, tmp_path):
+    runs = tmp_path / "g"
+    assert run_main(capsys, "train", "--epochs", "2", "--quiet", "--checkpoint-dir", str(runs))[0] == 0
+    before = {p.name: p.stat().st_mtime_ns for p in runs.iterdir()}
+    second = ("--epochs", "1", "--lr", "0.05", "--checkpoint-dir", str(runs), "--checkpoint-every", "5")
+    code, out, err = run_main(capsys, "train", *second)
+    assert code == 2 and "Epoch" not in out and err.count("\n") == 1, out + err
+    assert f"--checkpoint-dir {runs} holds another run's checkpoints (2, the latest epoch-0002-step-000000.pt" in err
+    assert "simplenet on digits, batch 64, seed 0, 2 epochs" in err  # which run it is
+    assert "add --resume" in err and "give another --checkpoint-dir" in err
+    assert {p.name: p.stat().st_mtime_ns for p in runs.iterdir()} == before  # nothing replaced, pruned or added
+    # a resume with settings that cannot continue that run names each one
+    code, _, err = run_main(capsys, "train", "--resume", "--batch-size", "32", "--seed", "3", *second)
+    assert code == 2 and "--batch-size: checkpoint 64, this run 32; --seed: checkpoint 0, this run 3" in err
+    assert {p.name: p.stat().st_mtime_ns for p in runs.iterdir()} == before
+
+
+def test_resuming_a_complete_run_says_where_its_results_are_and_more_epochs_continue_it(capsys, tmp_path):
+    runs, metrics = tmp_path / "g", tmp_path / "m.json"
+    first = ("--quiet", "--checkpoint-dir", str(runs), "--metrics-out", str(metrics))
+    assert run_main(capsys, "train", "--epochs", "2", *first)[0] == 0
+    final = latest_checkpoint(runs)
+    code, out, err = run_main(capsys, "train", "--epochs", "2", "--checkpoint-dir", str(runs), "--resume")
+    assert code == 0 and err == "", err
+    assert f"The run in {runs} is complete: it trained 2 of 2 epochs (test accuracy " in out
+    assert f"Its final checkpoint is {final}; its metrics were written to {metrics}" in out
+    assert "samples/s" not in out and "nan" not in out and "Epoch" not in out  # no summary of nothing
+    # fewer epochs than it trained: complete as well, and said so
+    code, out, _ = run_main(capsys, "train", "--epochs", "1", "--lr", "0.05", "--checkpoint-dir", str(runs), "--resume")
+    assert code == 0 and "it trained 2 epochs, more than the 1 asked for" in out
+    # more epochs continue it: one more epoch is trained
+    more = tmp_path / "more.json"
+    code, out, _ = run_main(
+        capsys,
+        "train",
+        "--epochs",
+        "3",
+        "--quiet",
+        "--checkpoint-dir",
+        str(runs),
+        "--resume",
+        "--metrics-out",
+        str(more),
+    )
+    assert code == 0 and json.loads(more.read_text())["steps"] == 23  # one epoch of digits in batches of 64
+    assert (
+        load_checkpoint(latest_checkpoint(runs))["run"]["epoch_test_accuracy"][:2]
+        == json.loads(metrics.read_text())["epoch_test_accuracy"]
+    )  # the run's history carries on in its checkpoints

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,8 +12,8 @@ import torch
 
 from paratrain.checkpoint import latest_checkpoint, load_checkpoint
 from paratrain.training import TrainConfig, train
+from processes import cli_command, free_port, run_cli, start_cli
 from processes import finish as _finish
-from processes import free_port, run_cli, start_cli
 
 pytestmark = pytest.mark.processes  # every test here starts processes
 
@@ -119,6 +121,45 @@ def test_parallel_example_through_the_launcher_is_ddp():
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("Test accuracy: ") == 1
     assert "ddp, 2 processes" in result.stdout
+    # coming from torch's DDP, where a loader's batch is each process's: prepare says what it is here, once
+    note = "paratrain: batch 64 is the global batch: 32 per process on 2 processes; for 64 per process give 128"
+    assert result.stderr.count(note) == 1, result.stderr
+
+
+def test_the_logged_loss_is_the_global_batchs_and_the_threads_are_each_workers_share(tmp_path):
+    """The tutorial's `Epoch E, Step S, Loss: L` line under ddp is the whole batch's loss, as on one device."""
+    lines: list[str] = []
+    train(TrainConfig(epochs=1, max_steps=1, log_every=1), log=lines.append)
+    (single_line,) = [line for line in lines if line.startswith("Epoch 0, Step 0, Loss: ")]
+    out = tmp_path / "m.json"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # unset, as a user leaves it
+    args = ("train", "--strategy", "ddp", "--nproc-per-node", "2", "--max-steps", "1", "--log-every", "1")
+    result = subprocess.run([*cli_command(*args), "--metrics-out", str(out)], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    (ddp_line,) = [line for line in result.stdout.splitlines() if line.startswith("Epoch 0, Step 0, Loss: ")]
+    assert float(ddp_line.split()[-1]) == pytest.approx(float(single_line.split()[-1]), rel=1e-6)
+    assert "global batch 64 (32 per process)" in result.stdout
+    metrics = _metrics(out)
+    assert metrics["threads"] == max(1, (os.cpu_count() or 1) // 2)  # what the launcher gave each worker
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--model", "verify_models:raises"), "raised RuntimeError: cannot build this one"),
+        (("--model", "verify_models:wrong_shape"), "expects 100 features per sample"),
+        (("--dataset", "mnist", "--data-dir", "nodata"), "MNIST files missing from nodata"),
+    ],
+    ids=["broken-model", "wrong-shape", "no-mnist"],
+)
+def test_a_ddp_runs_usage_error_is_one_line_from_the_launcher_as_without_ddp(args, message, tmp_path):
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    alone = run_cli("train", *args, cwd=tmp_path, env=env)
+    launched = run_cli("train", "--strategy", "ddp", "--nproc-per-node", "2", *args, cwd=tmp_path, env=env)
+    assert launched.returncode == alone.returncode in (1, 2), launched.stderr
+    assert launched.stderr == alone.stderr and launched.stderr.count("\n") == 1, launched.stderr
+    assert message in launched.stderr and "Traceback" not in launched.stderr
+    assert "rank" not in launched.stderr  # found before any rank started
 
 
 def test_ddp_outside_a_launcher_says_how_to_start():

@@ -104,9 +104,9 @@ def test_resume_with_schedule_scaler_and_adamw_is_exact(uninterrupted, tmp_path)
     )
     assert end["scheduler"]["_last_lr"][0] == pytest.approx(0.0, abs=1e-12)  # cosine reached its end: lr 0
     # another schedule cannot continue this run's: it would make the learning rate jump
-    with pytest.raises(Exception, match=r"schedule .* \(--warmup-steps"):
+    with pytest.raises(ConfigError, match=r"cannot continue: --warmup-steps: checkpoint 3, this run 9"):
         train(TrainConfig(checkpoint_dir=str(tmp_path), resume="latest", **{**EVERYTHING, "warmup_steps": 9}))
-    with pytest.raises(Exception, match=r"different run \(optimizer: checkpoint 'adamw', this run 'sgd'"):
+    with pytest.raises(ConfigError, match=r"cannot continue: --optimizer: checkpoint 'adamw', this run 'sgd'"):
         train(
             TrainConfig(checkpoint_dir=str(tmp_path), resume="latest", **{**EVERYTHING, "optimizer": "sgd", "lr": 0.1})
         )
@@ -149,8 +149,8 @@ def test_log_dir_writes_the_series_from_the_main_process(tmp_path):
         "epoch/train_loss",
         "epoch/test_accuracy",
     }
-    logged = [int(r["step"]) for r in rows if r["name"] == "train/loss"]
-    assert logged == [1, 3, 5, 7]  # batches 0 and 2 of each 4-batch epoch
+    logged = [(int(r["epoch"]), int(r["step"])) for r in rows if r["name"] == "train/loss"]
+    assert logged == [(0, 0), (0, 2), (1, 4), (1, 6)]  # batches 0 and 2 of each 4-batch epoch, counted from 0
     accuracy = [float(r["value"]) for r in rows if r["name"] == "epoch/test_accuracy"]
     assert accuracy == result.epoch_test_accuracy
     assert (logs / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -160,7 +160,7 @@ def test_log_dir_writes_the_series_from_the_main_process(tmp_path):
         events = EventAccumulator(str(logs))
         events.Reload()
         scalars = events.Scalars("epoch/test_accuracy")
-        assert [e.step for e in scalars] == [4, 8]
+        assert [e.step for e in scalars] == [3, 7]  # each epoch's last step
         assert [e.value for e in scalars] == pytest.approx(accuracy)  # TensorBoard stores float32
         assert len(list(logs.glob("events.out.tfevents.*"))) == 1
 
@@ -173,8 +173,8 @@ def test_a_resumed_run_continues_the_log_without_duplicates(tmp_path):
     (at_step_3,) = [p for p in list_checkpoints(ckpt) if load_checkpoint(p)["global_step"] == 3]
     train(TrainConfig(epochs=2, resume=str(at_step_3), **common, **SMALL))
     rows = read_metrics(logs / "metrics.csv")
-    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == list(range(1, 9))
-    assert [int(r["step"]) for r in rows if r["name"] == "epoch/test_accuracy"] == [4, 8]
+    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == list(range(8))
+    assert [int(r["step"]) for r in rows if r["name"] == "epoch/test_accuracy"] == [3, 7]
 
 
 def _has(package: str) -> bool:
@@ -199,6 +199,7 @@ def test_a_missing_extra_is_a_usage_error_before_training(monkeypatch, capsys, t
     code = main(["train", "--quiet", "--log-dir", str(tmp_path / "logs"), *flags])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+    assert "(in a clone of paratrain: pip install -e '.[" in err  # for those who installed from a clone
     assert not (tmp_path / "logs").exists()  # nothing started
 
 
@@ -329,6 +330,30 @@ def test_ddp_accumulates_like_one_device_and_only_rank_0_logs(one_step_per_batch
     assert all(r["steps"] == 2 * 4 for r in metrics["time_breakdown"]["ranks"])
     assert len(metrics["epoch_test_accuracy"]) == 2
     rows = read_metrics(tmp_path / "logs" / "metrics.csv")
-    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == [1, 3, 5, 7]  # once each
+    assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == [0, 2, 4, 6]  # once each
     if tensorboard == "--tensorboard":
         assert len(list((tmp_path / "logs").glob("events.out.tfevents.*"))) == 1
+
+
+def test_epochs_steps_and_accuracy_are_numbered_one_way_everywhere(capsys, tmp_path):
+    """The console's `Epoch E, Step S` lines, the progress bar, metrics.csv and the metrics JSON agree."""
+    logs, metrics = tmp_path / "logs", tmp_path / "m.json"
+    logging = ("--log-dir", str(logs), "--no-tensorboard", "--no-plot", "--metrics-out", str(metrics))
+    code = main(["train", *SMALL_ARGS, "--epochs", "2", "--log-every", "2", "--progress-bar", *logging])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    logged = [line.split(",")[:2] for line in captured.out.splitlines() if line.startswith("Epoch ") and "Step" in line]
+    steps = [(int(e.split()[1]), int(s.split()[1])) for e, s in logged]
+    assert steps == [(0, 0), (0, 2), (1, 0), (1, 2)]  # random data: 100 samples in 4 batches of up to 30
+    assert "Epoch 0" in captured.err and "Epoch 1" in captured.err  # the bar, numbered as the lines are
+    rows = read_metrics(logs / "metrics.csv")
+    # the csv's step is the run's optimizer step (4 per epoch), its epoch the console's: in epoch 0 they coincide
+    assert [(int(r["epoch"]), int(r["step"])) for r in rows if r["name"] == "train/loss"] == [
+        (epoch, 4 * epoch + step) for epoch, step in steps
+    ]
+    result = json.loads(metrics.read_text())
+    csv_accuracy = [float(r["value"]) for r in rows if r["name"] == "epoch/test_accuracy"]
+    assert csv_accuracy == result["epoch_test_accuracy"]  # fractions in the files a program reads
+    for epoch, accuracy in enumerate(result["epoch_test_accuracy"]):  # a percentage where a person reads it
+        assert f"Epoch {epoch} done: train loss" in captured.out and f"test accuracy {accuracy:.2%}" in captured.out
+    assert [int(r["epoch"]) for r in rows if r["name"] == "epoch/test_accuracy"] == [0, 1]

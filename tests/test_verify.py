@@ -164,3 +164,34 @@ def test_the_runs_optimizer_precision_and_accumulation_are_verified(monkeypatch_
     assert result["report"].rtol == 2e-2  # bf16's, not the float32 parameters'
     strict = _verify("clean_net", ["single", "dp:cpu,cpu"], accumulate=3)
     assert strict["dp:cpu,cpu"].status == "PASS" and strict["report"].rtol == 1e-5
+
+
+# --- the rounding a configuration is entitled to: measured against single in float64, not one fixed tolerance ------
+
+
+@pytest.mark.processes
+def test_clean_models_pass_under_adamw_and_bf16_where_a_fixed_tolerance_cried_wolf():
+    """SimpleNet with AdamW: dp and ddp differ from single by 1e-4 relative (AdamW divides by the root of tiny
+    squared gradients), rounding a float32 tolerance failed; under bf16-mixed ddp really computes in bf16."""
+    adamw = verify(VerifyConfig(optimizer="adamw", steps=3, configs=["single", "dp:cpu,cpu", "ddp:2"]))
+    assert adamw.ok, adamw.render()
+    assert adamw.tolerance.rule == "float64"
+    assert adamw.verdict("dp:cpu,cpu").max_rel["parameter"] > 1e-5  # what the fixed float32 tolerance failed
+    assert "within 16x single's own rounding" in adamw.render()
+    bf16 = verify(VerifyConfig(precision="bf16-mixed", steps=3, configs=["single", "ddp:2"]))
+    assert bf16.ok, bf16.render()
+    # ddp's ranks compute in bf16 too: their gradients differ from single's by bf16's rounding, not float32's
+    assert bf16.verdict("ddp:2").max_rel["gradient"] > 1e-3
+
+
+def test_a_clean_small_cnn_passes_under_dp_on_every_seed():
+    for seed in range(3):
+        settings = {"model": "verify_models:small_cnn", "seed": seed, "steps": 5}
+        report = verify(VerifyConfig(**settings, configs=["single", "dp:cpu,cpu"]))
+        assert report.ok, report.render()
+
+
+def test_given_tolerances_compare_with_single_as_given():
+    report = verify(VerifyConfig(optimizer="adamw", rtol=1e-5, steps=3, configs=["single", "dp:cpu,cpu"]))
+    assert report.tolerance.rule == "fixed" and "--rtol/--atol given" in report.render()
+    assert report.verdict("dp:cpu,cpu").status == "FAIL"  # AdamW's rounding is beyond 1e-5 of single

@@ -7,6 +7,7 @@ of the others has exactly one recognised cause.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -120,3 +121,61 @@ class PickyNet(nn.Module):
 
 def picky_net(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return PickyNet(_features(input_shape), num_classes)
+
+
+def small_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A clean small CNN: Conv2d, ReLU, adaptive pooling, Linear (nothing that makes parallel runs differ)."""
+    channels = input_shape[0]
+    return nn.Sequential(
+        nn.Conv2d(channels, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, num_classes),
+    )
+
+
+def wrong_shape(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A model for 100 input features, whatever the data gives (28x28 images give 784)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(100, num_classes))
+
+
+def wrong_channels(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A model for 3-channel images, whatever the data gives."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))
+
+
+class _Sleeper(nn.Module):
+    """A linear model whose forward also waits: what a busy machine does to a step, made repeatable."""
+
+    def __init__(self, features: int, num_classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(features, num_classes)
+        self.calls = 0
+
+    def wait(self, batch: int) -> float:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if x.requires_grad or torch.is_grad_enabled():
+            time.sleep(self.wait(x.shape[0]))
+        return self.fc(x.flatten(1))
+
+
+class _SlowsDown(_Sleeper):
+    def wait(self, batch: int) -> float:
+        return 0.0 if self.calls <= 8 else 0.01  # quiet, then busy: the measurements move between repeats
+
+
+class _Superlinear(_Sleeper):
+    def wait(self, batch: int) -> float:
+        return (batch / 30) ** 3  # half the batch in an eighth of the time: N devices look over N times faster
+
+
+def slows_down(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return _SlowsDown(_features(input_shape), num_classes)
+
+
+def superlinear(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return _Superlinear(_features(input_shape), num_classes)

@@ -66,6 +66,7 @@ class Board:
         self.interval = interval
         self._latest = 0
         self._beat = 0
+        self._failed: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"paratrain-{namespace}-board", daemon=True)
         self._thread.start()
@@ -78,6 +79,12 @@ class Board:
         """This rank launched collective ``seq``: published at the next heartbeat (the step never waits, nor wakes
         the thread: timeouts are seconds long, and a count a second old still names the right ranks)."""
         self._latest = seq
+
+    def failed(self, seq: int) -> None:
+        """This rank saw collective ``seq`` fail and is about to raise: published now, so that peers which look
+        after it has left name it as a rank that failed too, not as one that stopped responding."""
+        self._failed = seq
+        self._publish()
 
     def close(self) -> None:
         """Stop publishing and join the thread; safe to call twice.
@@ -96,7 +103,15 @@ class Board:
 
     def entry(self) -> dict[str, Any]:
         """This rank's entry as the thread publishes it."""
-        entry = {"seq": self._latest, "beat": self._beat, "host": _HOST, "pid": os.getpid(), "time": time.time()}
+        entry: dict[str, Any] = {
+            "seq": self._latest,
+            "beat": self._beat,
+            "host": _HOST,
+            "pid": os.getpid(),
+            "time": time.time(),
+        }
+        if self._failed is not None:
+            entry["failed"] = self._failed
         if self._status is not None:
             entry.update(self._status())
         return entry
@@ -153,7 +168,8 @@ class Board:
 
     def silent(self, watch: float | None = None) -> tuple[list[int], list[int]]:
         """Global ranks whose heartbeat does not move over ``watch`` seconds (default: about three beats), and those
-        whose entry could not be read."""
+        whose entry could not be read. A rank that published that it saw a collective fail is not silent: it
+        raised its own error (and may have exited since)."""
         before = self.read()
         time.sleep(3.2 * self.interval if watch is None else watch)
         after = self.read()
@@ -161,6 +177,6 @@ class Board:
         silent = [
             rank
             for rank, entry in after.items()
-            if entry is not None and (before.get(rank) or {}).get("beat") == entry["beat"]
+            if entry is not None and "failed" not in entry and (before.get(rank) or {}).get("beat") == entry["beat"]
         ]
         return silent, unknown

@@ -169,7 +169,8 @@ class CollectiveMonitor:
     one at start-up). Ranks in errors are global ranks (torchrun's RANK).
 
     ``host_waits`` chooses how waits are watched (see the module docstring): None picks by backend (the host
-    waits on gloo, the watchdog follows nccl); tests force the watchdog on gloo with False.
+    waits on gloo, the watchdog follows nccl); tests force the watchdog on gloo with False. ``report_path`` is where
+    a hang report goes; ``checks=False`` leaves out the drift check (benchmarks price it with it).
     """
 
     def __init__(
@@ -180,6 +181,7 @@ class CollectiveMonitor:
         *,
         host_waits: bool | None = None,
         report_path: str | None = None,
+        checks: bool = True,
     ) -> None:
         self.timeout = to_seconds(timeout)
         self.rank = dist.get_rank(group)
@@ -188,6 +190,7 @@ class CollectiveMonitor:
         self._group = group if group is not None else dist.group.WORLD
         self.host_waits = dist.get_backend(group) != "nccl" if host_waits is None else host_waits
         self.report_path = report_path or DEFAULT_REPORT
+        self._checks = checks  # the drift check and the group numbers it compares (False: benchmarks price them)
         self._seq = 0
         self.failure: str | None = None  # why a collective of this monitor timed out or failed
         self.waited = 0.0  # seconds this rank spent waiting in this monitor's collectives
@@ -218,8 +221,9 @@ class CollectiveMonitor:
     def launched(self) -> int:
         """Record that this rank launches its next collective; returns its number."""
         self._seq += 1
-        # the number the group gives the collective about to be launched: the same on every rank of a correct job
-        self._history.append([self._seq, group_sequence(self._group) + 1, ""])
+        if self._checks:
+            # the number the group gives the collective about to be launched: the same on every rank of a correct job
+            self._history.append([self._seq, group_sequence(self._group) + 1, ""])
         if self._board is not None:
             self._board.post(self._seq)
         return self._seq
@@ -260,7 +264,8 @@ class CollectiveMonitor:
             return None
         started = time.monotonic()
         self._in = (seq, what, started)
-        self._describe(seq, what)
+        if self._checks:
+            self._describe(seq, what)
         try:
             finished = wait_work(handle, self.timeout)
         except RuntimeError as exc:
@@ -290,7 +295,8 @@ class CollectiveMonitor:
         self._watch()
         if self._answerer is not None:
             self._answerer.beat()
-        self._check_drift()
+        if self._checks:
+            self._check_drift()
 
     def _watch(self) -> None:
         """Drop finished collectives the host did not wait for; end the process for an overdue one."""
@@ -359,9 +365,10 @@ class CollectiveMonitor:
             who, report = "the process group has no store to tell which ranks are missing", None
         else:
             missing, unknown = self._board.behind(seq)
+            self._board.failed(seq)
             report = self._report(seq, f"{what} (collective #{seq}) did not complete within {self.timeout:g}s")
             if report is not None:
-                silent = [r.rank for r in report.ranks if not r.answered and not r.beating]
+                silent = [r.rank for r in report.ranks if r.silent]
             else:
                 silent, _ = self._board.silent()
             if missing:
@@ -391,9 +398,10 @@ class CollectiveMonitor:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         who, report = "", None
         if self._board is not None:
+            self._board.failed(seq)
             report = self._report(seq, f"{what} (collective #{seq}) failed ({reason})")
             if report is not None:
-                silent = [r.rank for r in report.ranks if not r.answered and not r.beating]
+                silent = [r.rank for r in report.ranks if r.silent]
                 unknown = [r.rank for r in report.ranks if r.state.startswith("unknown")]
                 print(report.render(), file=sys.stderr, flush=True)
             else:

@@ -120,6 +120,7 @@ class DistributedDataParallel(nn.Module):
         timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
         hang_report: str | None = None,
         _overlap: bool = True,
+        _hang_checks: bool = True,
     ) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
@@ -166,6 +167,7 @@ class DistributedDataParallel(nn.Module):
         self._hang_report = hang_report
         self._bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self._overlap = _overlap  # private: False waits for the end of backward, so benchmarks can price overlap
+        self._hang_checks = _hang_checks  # private: False leaves out the drift check, so benchmarks can price it
 
         self._attach(self._start_up(self._timeout) if init_sync else self._local_namespace("unsynced"))
         if init_sync:
@@ -175,7 +177,11 @@ class DistributedDataParallel(nn.Module):
     def _attach(self, namespace: str) -> None:
         """What holds the process group and autograd hooks: built at construction and again after unpickling."""
         self.monitor = CollectiveMonitor(
-            self.process_group, self._timeout, namespace=namespace, report_path=self._hang_report
+            self.process_group,
+            self._timeout,
+            namespace=namespace,
+            report_path=self._hang_report,
+            checks=self._hang_checks,
         )
         # stops the monitor's thread when the wrapper is collected, and at interpreter exit (weakref.finalize runs
         # from atexit, before finalization) for a wrapper still alive then and never closed

@@ -15,6 +15,8 @@ derives from the builtin that code written against PyTorch would catch (``ValueE
     ├── DistributedError (RuntimeError)   ranks that disagree, or a collective that did not complete
     │   └── CollectiveError               a collective that timed out or failed: its group is unusable now
     └── TrainingError (RuntimeError)      a run that cannot go on meaningfully (its loss became nan or inf)
+
+    TrainingInterrupted (KeyboardInterrupt)   an interrupted run stopped at a step, its state saved
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "ReplicaError",
     "ScatterError",
     "TrainingError",
+    "TrainingInterrupted",
 ]
 
 
@@ -80,3 +83,10 @@ class CollectiveError(DistributedError):
 
 class TrainingError(ParatrainError, RuntimeError):
     """Training cannot go on meaningfully: the loss became nan or inf."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """A run that was interrupted (Ctrl-C) stopped at a step boundary, saved where it was and said so.
+
+    A ``KeyboardInterrupt``, so that code which lets Ctrl-C through lets this through too.
+    """

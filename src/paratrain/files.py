@@ -31,7 +31,14 @@ from typing import IO, Any
 
 from .errors import ConfigError
 
-__all__ = ["atomic_writer", "check_input_dir", "check_output", "remove_stale_temporaries", "resolve_output"]
+__all__ = [
+    "atomic_writer",
+    "check_input_dir",
+    "check_output",
+    "is_stdout",
+    "remove_stale_temporaries",
+    "resolve_output",
+]
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 # .<name>.<host>.<pid>.<random>.tmp: a leading dot and a .tmp suffix, so no listing takes it for the real file
@@ -51,6 +58,15 @@ def _is_special(path: Path) -> bool:
     except OSError:
         return False
     return stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+def is_stdout(path: str | Path) -> bool:
+    """True when writing ``path`` writes this process's standard output (``/dev/stdout``, ``/proc/self/fd/1``)."""
+    try:
+        mine, theirs = os.fstat(1), os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 def check_output(path: str | Path, what: str) -> Path:
@@ -73,13 +89,15 @@ def check_output(path: str | Path, what: str) -> Path:
 
 
 def _check_output(path: str | Path, what: str) -> Path:
+    # a device or pipe behind links (/dev/stdout -> /proc/self/fd/1 -> pipe:[...]): written through the path given,
+    # since the last link's target names no file
+    if _is_special(Path(path)):
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{what} {path}: it cannot be written; choose another path")
+        return Path(path)
     target = resolve_output(path)
     if target.is_dir():
         raise ConfigError(f"{what} {path}: is a directory; give a file name inside it")
-    if _is_special(target):
-        if not os.access(target, os.W_OK):
-            raise ConfigError(f"{what} {path}: {target} cannot be written; choose another path")
-        return target
     parent = target.parent
     while not parent.exists():
         if parent.is_symlink():  # a dangling link on the way: creating "through" it would surprise
@@ -133,13 +151,13 @@ def atomic_writer(path: str | Path, mode: str = "wb", *, durable: bool = False) 
     ``durable``: fsync the data and the directory entry, so the new file survives a power cut (checkpoints).
     On an exception the temporary file is removed and ``path`` is left as it was.
     """
+    if _is_special(Path(path)):  # followed through every link (/dev/stdout to a pipe, say): write into it
+        with open(path, mode) as stream:
+            yield stream
+        return
     target = resolve_output(path)
     if target.is_dir():
         raise IsADirectoryError(21, "Is a directory", str(target))
-    if _is_special(target):
-        with open(target, mode) as stream:
-            yield stream
-        return
     directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
     temporary = directory / f".{target.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"

@@ -57,6 +57,12 @@ class RankReport:
     collectives: list[dict[str, Any]] = field(default_factory=list)  # its latest, from torch's Flight Recorder
     history: list[list[Any]] = field(default_factory=list)  # paratrain's latest: [its number, the group's, what]
     note: str = ""
+    failed: int | None = None  # the collective it saw fail itself (it raised its own error, and may have left)
+
+    @property
+    def silent(self) -> bool:
+        """No sign of life: it did not answer, its heartbeat stood still, and it never said it saw a failure."""
+        return not self.answered and not self.beating and self.failed is None
 
 
 @dataclass
@@ -222,7 +228,12 @@ def _unanswered(rank: int, before: dict[str, Any] | None, after: dict[str, Any] 
         return RankReport(rank, "unknown: it never published on the board (not started, or gone early)", False, False)
     host, pid = after.get("host"), int(after["pid"])
     beating = before is not None and before.get("beat") != after.get("beat")
-    report = RankReport(rank, "", False, beating, host, pid, launched=int(after.get("seq", 0)))
+    report = RankReport(
+        rank, "", False, beating, host, pid, launched=int(after.get("seq", 0)), failed=after.get("failed")
+    )
+    if report.failed is not None:
+        report.state = f"saw collective #{report.failed} fail and raised its own error (it may have exited since)"
+        return report
     waiting = after.get("in")
     if waiting:
         report.waiting_in = f"collective #{waiting[0]}: {waiting[1]} (as its board said last)"

@@ -126,9 +126,10 @@ def _rendezvous_conf(config: LaunchConfig, timeout_key: str) -> list[str]:
     return conf
 
 
-def _wrapper_args(config: LaunchConfig) -> list[str]:
-    """The options of paratrain._torchrun (see there): one grace, a fresh store per round, loopback for one node."""
-    args = [f"--grace={config.shutdown_timeout}", "--fresh-store"]
+def _wrapper_args(config: LaunchConfig, name: str) -> list[str]:
+    """The options of paratrain._torchrun (see there): one grace, a fresh store per round, loopback for one node,
+    and the command its report names."""
+    args = [f"--grace={config.shutdown_timeout}", "--fresh-store", f"--name={name}"]
     if config.is_single_node:
         args.append("--bind=127.0.0.1")  # nothing outside this machine needs to reach a job that runs on it
     return args
@@ -157,11 +158,14 @@ def launch(
     *,
     module: bool = False,
     timeout: float | None = None,
+    name: str = "paratrain launch",
 ) -> int:
     """Run ``script`` under torchrun in a child process and return torchrun's exit code.
 
-    Output is not captured: the workers' output and torchrun's failure summary (which rank failed, its exit
-    code, the root cause) appear on this process's stdout and stderr. A failing worker gives a non-zero code.
+    Output is not captured: the workers' output appears on this process's stdout and stderr. A failed job ends
+    with one line per failed rank (its exit code or signal, and its error's last line: each worker runs its
+    script through :mod:`paratrain._script`, which records the error), then the path of torchrun's full report,
+    and the first failed rank's exit code is returned.
 
     Signals are handled like torchrun handles its own workers: torchrun runs in its own session, and the first
     SIGINT, SIGTERM, SIGHUP or SIGQUIT this process gets is forwarded to it once, after which torchrun stops
@@ -175,19 +179,21 @@ def launch(
         script_args: passed to every worker unchanged.
         module: run ``script`` as ``python -m script``.
         timeout: seconds to wait for the whole job; ``None`` waits as long as it runs.
+        name: the command the report lines name (``paratrain train`` for its ranks).
 
     Raises:
         ConfigError: for invalid settings or a script file that does not exist.
         DistributedError: when the job ran past ``timeout`` (it is stopped first).
     """
-    args = torchrun_args(config, script, script_args, module=module)
+    torchrun_args(config, script, script_args, module=module)  # checked as given, then run through the recorder
+    args = torchrun_args(config, "paratrain._script", [*(["-m"] if module else []), script, *script_args], module=True)
     if not module and not os.path.isfile(script):
         where = "" if os.path.isabs(script) else f" (relative to {os.getcwd()})"
         raise ConfigError(
             f"expected a Python script to launch, found no file at {script!r}{where}; check the path, or pass "
             "-m/--module to run a module"
         )
-    command = [sys.executable, "-m", "paratrain._torchrun", *_wrapper_args(config), "--", *args]
+    command = [sys.executable, "-m", "paratrain._torchrun", *_wrapper_args(config, name), "--", *args]
     try:
         code = supervise(command, env=_worker_env(config), timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -119,6 +119,7 @@ class Parallel:
         self._ledger = BatchLedger()  # the batches this Parallel's loaders yielded; the share a backward weighs by
         self._micro = Recording(self._ledger)  # the micro-batch accumulate() is feeding
         self._warned_unmatched = False
+        self._forward_ran = False  # a prepared model ran forward with autograd: backward has a loss of ours
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._trains: dict[int, set[int]] = {}  # a prepared optimizer (by id) -> the model parameters it trains
         self._handles: list[RemovableHandle] = []
@@ -228,6 +229,7 @@ class Parallel:
         """
         if not torch.is_grad_enabled():
             return
+        self._forward_ran = True
         recordings = self._recordings()
         fed = self._recording_of((args, kwargs), recordings)
         if fed is None and recordings:
@@ -270,7 +272,18 @@ class Parallel:
         :meth:`_bind_share`), times the micro-batch's part of that share under :meth:`accumulate`; 1 in one
         process without accumulation, or when the batch did not come from a prepared loader. With ``16-mixed``
         the weighted loss is also multiplied by the gradient scaler's scale.
+
+        Raises:
+            ConfigError: no model :meth:`prepare` returned has run forward: the loss comes from a model no
+                strategy prepared, whose gradients would never be synchronised.
         """
+        if not self._forward_ran:
+            raise ConfigError(
+                "par.backward() got a loss, but no model that par.prepare() returned has run forward: the loss "
+                "comes from a model this Parallel did not prepare, so its gradients are never synchronised (under "
+                "ddp every process would train its own copy). Call model = par.prepare(model) (with the optimizer "
+                "and the loader) and compute the loss with the model it returns"
+            )
         share, fraction = self._ledger.take()
         weight = self.strategy.loss_weight(share.local, share.total) if share is not None and share.total else 1.0
         weight *= fraction

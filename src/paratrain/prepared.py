@@ -9,11 +9,16 @@ match one device exactly). Each prepared loader's :attr:`path` says which it too
 Every batch they yield is recorded with its :class:`BatchShare` (this process's samples and the global batch's) in
 the :class:`BatchLedger` of the ``Parallel`` that prepared them; the forward that batch is fed to binds the share
 there, and ``Parallel.backward`` turns it into the loss weight of the step.
+
+A loader's batch is the global batch under every strategy, where torch's DistributedSampler makes ``batch_size``
+each process's: under several processes the main process says so once per loader, with the number to give for
+the per-process batch a torch DDP script had.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -35,6 +40,7 @@ __all__ = [
     "PreparedIndexedLoader",
     "PreparedLoader",
     "Recording",
+    "global_batch_note",
     "prepare_loader",
 ]
 
@@ -124,6 +130,26 @@ class Recording:
         return any(t is m for t in tensors for m in mine if m is not None)
 
 
+def global_batch_note(loader: Iterable[Any], processes: int) -> str:
+    """What ``prepare`` says about a loader's batch under ``processes`` processes: it is the global batch.
+
+    global_batch_note(DataLoader(data, batch_size=32), 2)
+    # 'batch 32 is the global batch: 16 per process on 2 processes; for 32 per process give 64'
+    """
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(size, int) or size < 1:
+        return (
+            f"each batch the loader yields is the global batch, cut into {processes} shares (one per process); for "
+            f"a given batch per process, yield {processes} times as many samples"
+        )
+    low, high = size // processes, -(-size // processes)
+    share = f"{low}" if low == high else f"{low} or {high}"
+    return (
+        f"batch {size} is the global batch: {share} per process on {processes} processes; for {size} per process "
+        f"give {size * processes}"
+    )
+
+
 def prepare_loader(
     loader: Iterable[Any], strategy: Strategy, ledger: BatchLedger
 ) -> PreparedIndexedLoader | PreparedLoader:
@@ -132,6 +158,8 @@ def prepare_loader(
     if isinstance(loader, IndexedLoader):
         return PreparedIndexedLoader(loader, strategy, ledger)
     _refuse_distributed_sampler(loader, strategy)
+    if strategy.world_size > 1 and strategy.is_main:  # a user's loader: its batch_size is the global batch
+        print(f"paratrain: {global_batch_note(loader, strategy.world_size)}", file=sys.stderr, flush=True)
     batched = batched_view(loader)
     if batched is not None:
         return PreparedIndexedLoader(batched, strategy, ledger, lend_rng=True)

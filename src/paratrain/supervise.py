@@ -4,17 +4,21 @@
 
 The child (torchrun) starts in its own session, so a Ctrl-C in the terminal reaches this process only; the
 first SIGINT, SIGTERM, SIGHUP or SIGQUIT is forwarded to the child once, after which it stops its own workers.
-A second signal is not forwarded: it would cut that shutdown short and could leave workers running.
+A second signal is not forwarded: it would cut that shutdown short and could leave workers running. A second
+Ctrl-C means "now": the child and every process below it (torchrun's workers run in sessions of their own) are
+killed at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from types import FrameType
 
 __all__ = ["supervise"]
@@ -72,6 +76,10 @@ def _forward_signals(process: subprocess.Popen[bytes], forwarded: list[int]) -> 
         return
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        if forwarded and signum == forwarded[0] == signal.SIGINT:  # Ctrl-C twice: leave now
+            print("paratrain: interrupted again: stopping every process of the job now", file=sys.stderr)
+            _kill_tree(process.pid)
+            return
         if forwarded:  # torchrun is already shutting its workers down; a second signal would cut that short
             print(
                 f"paratrain launch: already stopping the job (got {signal.Signals(signum).name} again); "
@@ -95,3 +103,24 @@ def _forward_signals(process: subprocess.Popen[bytes], forwarded: list[int]) -> 
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it, found in /proc (only ``pid`` where there is no /proc)."""
+    victims = [pid]
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            # the command name may hold spaces and parentheses: the fields after its last ")" are safe
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(parent, []).append(int(entry.name))
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            victims.append(child)
+            todo.append(child)
+    for victim in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, signal.SIGKILL)

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ..errors import CollectiveError, ConfigError, ParatrainError
+from ..errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
 from ..version import __version__
 from .checkpoint import add_checkpoint_parser
 from .demo import add_demo_parser
@@ -31,6 +31,7 @@ __all__ = ["EXIT_RUNTIME", "EXIT_USAGE", "build_parser", "main"]
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,13 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0 ok, 1 runtime error, 2 usage error)."""
+    """Run the command line; returns the exit code (0 ok, 1 runtime error, 2 usage error).
+
+    A closed standard output (``paratrain train | head -2``) ends the command quietly with 141, the code of a
+    Unix tool that SIGPIPE ended, instead of a ``BrokenPipeError`` traceback.
+    """
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(raw)
+    args, unknown = parser.parse_known_args(raw)
+    if unknown:
+        # a subcommand may say where such arguments belong (launch: after the script)
+        prog = f"paratrain {args.command}"
+        hint = getattr(args, "unknown_hint", f" (see {prog} --help)")
+        parser.exit(EXIT_USAGE, f"{prog}: error: unrecognized arguments: {' '.join(unknown)}{hint}\n")
     try:
         code: int = args.handler(args)
         return code
+    except BrokenPipeError:
+        from ..training.progress import stdout_closed
+
+        return stdout_closed()
     except ConfigError as exc:
         print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -74,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(EXIT_RUNTIME)
         return EXIT_RUNTIME
+    except TrainingInterrupted:
+        return EXIT_INTERRUPTED  # the run said where it stopped and what --resume continues from
     except KeyboardInterrupt:
         print(f"paratrain {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED

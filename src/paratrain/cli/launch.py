@@ -14,6 +14,7 @@ import sys
 
 from ..launch import LaunchConfig, launch
 from .argtypes import positive_int_or_auto
+from .help import ExamplesFormatter
 from .options import add_options, from_args
 
 __all__ = ["add_launch_parser", "add_launcher_options", "launch_config", "report_exit"]
@@ -42,24 +43,29 @@ def add_launch_parser(commands: argparse._SubParsersAction) -> None:  # type: ig
         "  paratrain launch --nproc-per-node 4 train.py --epochs 3\n"
         "  # on each of two machines:\n"
         "  paratrain launch --nnodes 2 --nproc-per-node 2 --rdzv-endpoint 10.0.0.1:29400 --rdzv-id job42 train.py",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=ExamplesFormatter,
     )
     add_launcher_options(lp)
     lp.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m SCRIPT")
     lp.add_argument("script", metavar="SCRIPT", help="the script (or, with -m, module) every process runs")
     lp.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for the script")
-    lp.set_defaults(handler=_launch_command)
+    lp.set_defaults(
+        handler=_launch_command,
+        # argparse stops at the script, so a script's option given before it is unknown to launch
+        unknown_hint="; options for the script go after it: paratrain launch [launch options] SCRIPT [script "
+        "options], e.g. paratrain launch --nproc-per-node 2 train.py --epochs 1",
+    )
+
+
+# the signals the launcher forwards to the job (Ctrl-C ends in KeyboardInterrupt instead)
+_STOPPING = {128 + getattr(signal, n) for n in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, n)}
 
 
 def report_exit(code: int, command: str) -> int:
-    """Say why a launched job ended badly (torchrun's own summary above names the failed ranks)."""
-    if code > 128 and code - 128 in signal.valid_signals():
+    """Say that a signal stopped the job; a failed job's lines (one per failed rank) were printed by the launcher
+    already, and its code is the first failed rank's."""
+    if code in _STOPPING:
         print(f"paratrain {command}: stopped by {signal.Signals(code - 128).name}", file=sys.stderr)
-    elif code != 0:
-        print(
-            f"paratrain {command}: error: torchrun exited with code {code}; its summary above names the failed rank(s)",
-            file=sys.stderr,
-        )
     return code
 
 

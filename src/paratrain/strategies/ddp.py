@@ -161,7 +161,8 @@ class DistributedStrategy(Strategy):
         return [bytes(part.tolist()).decode() for part in self.all_gather(mine)]
 
     def describe(self) -> str:
-        return f"ddp, {self.world_size} processes, on {self._device.type}"
+        n = self.world_size
+        return f"ddp, {n} process{'es' * (n != 1)}, on {self._device.type}"
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self._device)

@@ -29,6 +29,7 @@ from ..errors import ConfigError
 from ..files import check_output
 from ..parallel import Parallel
 from ..settings import setting
+from ..training.logs import install_hint
 from .configs import RunConfig, parse_configs, unavailable_reason
 from .report import format_markdown, format_table, write_json, write_text
 from .runner import ConfigRunError, run_config
@@ -49,8 +50,8 @@ class BenchConfig(TimingSettings, RunSettings):
     )
     plot_out: str | None = setting(
         None,
-        "write a PNG plot of samples/s and efficiency against devices (needs matplotlib: pip install "
-        "'paratrain[plot]'; default: beside --report-out, as .png, when matplotlib is installed)",
+        "write a PNG plot of samples/s and efficiency against devices (needs matplotlib: "
+        f"{install_hint('plot')}; default: beside --report-out, as .png, when matplotlib is installed)",
         metavar="FILE.png",
     )
 
@@ -60,8 +61,8 @@ class BenchConfig(TimingSettings, RunSettings):
                 check_output(path, flag)
         if self.plot_out is not None and not plotting_available():
             raise ConfigError(
-                f"--plot-out {self.plot_out} needs matplotlib, which is not installed; pip install "
-                "'paratrain[plot]' (or matplotlib), or drop --plot-out"
+                f"--plot-out {self.plot_out} needs matplotlib, which is not installed: {install_hint('plot')}, or "
+                "drop --plot-out"
             )
 
 
@@ -267,11 +268,17 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
             t.speedup = base.step_seconds / t.step_seconds
             t.efficiency = t.speedup / t.devices
     cores = os.cpu_count() or 1
-    if any(not c.in_process for c in runnable) and not torch.cuda.is_available():
-        threads = os.environ.get("OMP_NUM_THREADS", f"{cores} // N")
+    launched = [c for c in runnable if not c.in_process]
+    if launched and not torch.cuda.is_available():
+        given = os.environ.get("OMP_NUM_THREADS")
+        each = ", ".join(
+            f"{c.word}: {n} thread{'s' * (n != 1)} each"
+            for c in launched
+            for n in [int(given) if given and given.isdigit() else max(1, cores // c.processes)]
+        )
         notes.append(
-            f"on the CPU, the N processes of ddp (zero1, zero2) share this machine's {cores} cores ({threads} "
-            "thread(s) each): they add no compute here, only communication"
+            f"on the CPU, the processes of ddp (zero1, zero2) share this machine's {cores} cores ({each}): they add "
+            "no compute here, only communication"
         )
     if any(c.strategy == "dp" and "cpu" in c.devices for c in runnable):
         notes.append(
@@ -291,7 +298,7 @@ def _write_outputs(report: BenchReport, config: BenchConfig) -> None:
         if plotting_available():
             plot = str(beside.with_suffix(".png"))
         else:
-            report.notes.append("no plot: matplotlib is not installed (pip install 'paratrain[plot]')")
+            report.notes.append(f"no plot: matplotlib is not installed ({install_hint('plot')})")
     if beside is not None:
         write_json(report.as_dict(), beside)
         report.written.append(str(beside))

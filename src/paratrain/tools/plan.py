@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from ..buckets import FIRST_BUCKET_BYTES, assign_buckets
 from ..devices import visible_gpus
 from ..errors import ConfigError
 from ..settings import at_least, optional, positive, setting
+from ..training.threads import MachineLoad, choose_threads
 from .configs import parse_configs
 from .plan_measure import (
     DDP_BUCKET_CAP_BYTES,
@@ -39,18 +40,18 @@ from .plan_measure import (
     read_link_file,
     threads_per_process,
 )
-from .plan_memory import MemoryRow, check_bytes, measure_memory, parse_bytes, render_memory, smallest_fit
+from .plan_memory import check_bytes, measure_memory
 from .plan_model import (
     BucketSpec,
     Link,
-    ScalingRow,
     fit_link,
     recommend,
     scaling_rows,
     simulate_step,
 )
+from .plan_report import PlanReport, describe_assumptions, unreliable_reasons
 from .plan_validate import VALIDATE_UP_TO, validate_plan, validation_configs
-from .report import format_table, write_json
+from .report import write_json
 from .settings import RunSettings, TimingSettings, settings_from
 from .workload import Workload
 
@@ -122,104 +123,6 @@ class PlanConfig(TimingSettings, RunSettings):
                 )
 
 
-# -- the report ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PlanReport:
-    settings: dict[str, Any]
-    rows: list[ScalingRow]
-    recommended: int
-    assumptions: list[str]
-    inputs: dict[str, Any]
-    validation: list[dict[str, Any]] = field(default_factory=list)
-    written: list[str] = field(default_factory=list)  # the files written (the JSON report)
-    memory: list[MemoryRow] = field(default_factory=list)  # bytes per device of ddp, zero1 and zero2 at each N
-
-    @property
-    def ok(self) -> bool:
-        """False when a validated configuration's prediction error exceeds ``max_error``."""
-        return all(v["within"] for v in self.validation if v.get("within") is not None)
-
-    def row(self, world_size: int) -> ScalingRow:
-        return next(r for r in self.rows if r.world_size == world_size)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "command": "plan",
-            "ok": self.ok,
-            "settings": self.settings,
-            "rows": [asdict(r) for r in self.rows],
-            "recommended_world_size": self.recommended,
-            "assumptions": self.assumptions,
-            "inputs": self.inputs,
-            "validation": self.validation,
-            "memory": [{**asdict(r), "model_states": r.model_states, "total": r.total} for r in self.memory],
-            "fewest_devices": self.fewest_devices(),
-        }
-
-    def fewest_devices(self) -> dict[str, int | None] | None:
-        """With --device-memory: the fewest devices ddp, zero1 and zero2 fit on (None: not up to max-world-size)."""
-        limit = self.settings.get("device_memory")
-        return smallest_fit(self.memory, parse_bytes(limit)) if limit and self.memory else None
-
-    def render(self) -> str:
-        headers = ["world size", "batch/device", "step ms", "samples/s", "speed-up", "efficiency", "exposed comm ms"]
-        table = [
-            [
-                str(r.world_size),
-                str(r.per_device_batch),
-                f"{r.step_seconds * 1e3:.2f}",
-                f"{r.samples_per_second:,.0f}",
-                f"{r.speedup:.2f}x",
-                f"{r.efficiency:.0%}",
-                f"{r.exposed_comm_seconds * 1e3:.2f}",
-            ]
-            for r in self.rows
-        ]
-        lines = [format_table(headers, table), "", "assumptions:"]
-        lines += [f"  - {a}" for a in self.assumptions]
-        if self.memory:
-            limit = self.settings.get("device_memory")
-            lines += ["", *render_memory(self.memory, parse_bytes(limit) if limit else None)]
-            lines.append("  step times above are ddp's; zero1 and zero2 run within a few percent of it on this machine")
-        lines.append("")
-        lines.append(self.verdict())
-        if self.validation:
-            lines += ["", "validation against bench (measured here, now):"]
-            vt = [
-                [
-                    v["config"],
-                    f"{v['predicted_seconds'] * 1e3:.2f}" if v.get("predicted_seconds") else "-",
-                    f"{v['measured_seconds'] * 1e3:.2f}" if v.get("measured_seconds") else "-",
-                    f"{v['error']:+.1%}" if v.get("error") is not None else v.get("status", ""),
-                ]
-                for v in self.validation
-            ]
-            lines.append(format_table(["configuration", "predicted ms", "measured ms", "error"], vt))
-            lines.append(f"  error = predicted / measured - 1; passes within +-{self.settings['max_error']:.0%}")
-        return "\n".join(lines)
-
-    def verdict(self) -> str:
-        slower = [r for r in self.rows if r.world_size > 1 and r.speedup < 1]
-        n = self.recommended
-        threshold = self.settings["min_efficiency"]
-        if n == 1:
-            two = next((r for r in self.rows if r.world_size == 2), None)
-            detail = f" (2 devices: {two.speedup:.2f}x, efficiency {two.efficiency:.0%})" if two else ""
-            head = f"recommendation: stay on 1 device: more devices do not pay off{detail}"
-        else:
-            r = self.row(n)
-            head = (
-                f"recommendation: up to {n} devices ({r.speedup:.2f}x, efficiency {r.efficiency:.0%}); past that, "
-                f"efficiency falls below {threshold:.0%} or the speed-up stops growing"
-            )
-        if slower:
-            listed = ", ".join(str(r.world_size) for r in slower)
-            head += f"\nwarning: with {listed} devices a step is predicted SLOWER than on one device"
-        return head
-
-
 def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     """Predict ddp's step time at world sizes 1..max_world_size; see the module docstring.
 
@@ -250,14 +153,19 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
 
     # compute at the per-device batch (and, on the CPU, thread count) of every world size
     shapes: dict[int, tuple[int, int, float]] = {}  # world size -> (batch, threads, slowdown)
+    load_before = MachineLoad.now()
     for n in range(1, config.max_world_size + 1):
         batch = math.ceil(config.batch_size / n)  # the largest share sets the pace
-        if gpus or n == 1:  # one GPU per process; single runs in this process with its threads
+        if gpus:  # one GPU per process: the host threads do not set the pace
             threads, slowdown = torch.get_num_threads(), 1.0
-        else:
+        elif n == 1:  # what `paratrain train` gives one device: OMP_NUM_THREADS, else every core
+            threads, slowdown = choose_threads("single", [device], launched=False), 1.0
+        else:  # what `paratrain launch` gives each of N workers: OMP_NUM_THREADS, else cores // N
             threads, slowdown = threads_per_process(min(n, per_node), cores)
         shapes[n] = (batch, threads, slowdown)
-    profiles = measure_profiles(work, device, [(b, t) for b, t, _ in shapes.values()], config.steps, config.warmup)
+    profiles, moved = measure_profiles(
+        work, device, [(b, t) for b, t, _ in shapes.values()], config.steps, config.warmup, config.repeats
+    )
     # on the CPU, beside the other processes of the same world size: they share memory bandwidth and caches too
     shared = {} if gpus else contention(work, shapes, per_node, cores, config.steps, config.warmup)
 
@@ -316,10 +224,23 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
             }
         )
     rows = scaling_rows(steps, config.batch_size, per_device)
-    recommended = recommend(rows, config.min_efficiency)
+    load = MachineLoad.busiest(load_before, MachineLoad.now())
+    unreliable = unreliable_reasons(rows, moved)
+    recommended = None if unreliable else recommend(rows, config.min_efficiency)
 
-    assumptions = _assumptions(
-        config, str(device), cores, param_count, buckets, inputs_rows, local_links, sync, remote_link, per_node
+    assumptions = describe_assumptions(
+        config,
+        config.repeats,
+        config.max_world_size,
+        str(device),
+        cores,
+        param_count,
+        buckets,
+        inputs_rows,
+        local_links,
+        sync,
+        remote_link,
+        per_node,
     )
     inputs = {
         "device": str(device),
@@ -332,8 +253,10 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         "remote_link": asdict(remote_link) if remote_link else None,
         "per_node": per_node,
         "per_world_size": inputs_rows,
+        "moved_between_repeats": {f"batch {b}, {t} threads": m for (b, t), m in moved.items()},
+        "load_average": load.load_average,
     }
-    report = PlanReport(asdict(config), rows, recommended, assumptions, inputs)
+    report = PlanReport(asdict(config), rows, recommended, assumptions, inputs, unreliable=unreliable)
     sample = work.sample_batch(1)[0].to(device)
     report.memory = measure_memory(model.to(device), sample, config.optimizer, config.momentum, per_device)
     if config.validate:
@@ -347,63 +270,6 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         write_json(report.as_dict(), config.report_out)
         report.written.append(config.report_out)
     return report
-
-
-def _assumptions(
-    config: PlanConfig,
-    device: str,
-    cores: int,
-    param_count: int,
-    buckets: list[BucketSpec],
-    inputs_rows: list[dict[str, Any]],
-    local_links: dict[int, Link],
-    sync: dict[int, float],
-    remote_link: Link | None,
-    per_node: int,
-) -> list[str]:
-    """What the prediction takes as given, in words, for the printed report."""
-    gpus = device.startswith("cuda")
-    local_max = min(config.max_world_size, per_node)
-    assumptions: list[str] = []
-    assumptions.append(
-        f"model {config.model}: {param_count:,} parameters ({param_count * 4 / 2**20:.1f} MiB of float32 gradients), "
-        f"{len(buckets)} bucket(s) as our DDP builds them (first {FIRST_BUCKET_BYTES // 2**20} MiB, then "
-        f"{DDP_BUCKET_CAP_BYTES // 2**20} MiB): {', '.join(f'{b.nbytes / 2**20:.2f}' for b in buckets)} MiB"
-    )
-    assumptions.append(
-        f"global batch {config.batch_size} split N ways; each device runs the largest share, ceil(batch / N); "
-        f"compute measured on {device} in this process, medians of {config.steps} steps"
-    )
-    if not gpus:
-        thread_text = ", ".join(f"N={r['world_size']}: {r['threads_per_process']}" for r in inputs_rows)
-        contention_text = ", ".join(f"N={r['world_size']}: x{r['cpu_contention']:.2f}" for r in inputs_rows)
-        assumptions.append(
-            f"CPU: the N processes share this machine's {cores} cores; compute measured at the threads each process "
-            f"gets ({thread_text}), slowed by N x threads / cores beyond one process per core, and by what running "
-            f"beside its peers costs, measured with real processes running the model ({contention_text})"
-        )
-    for n, link in local_links.items():
-        assumptions.append(
-            f"all-reduce among {n} processes here ({'nccl' if gpus else 'gloo'}, measured): "
-            f"{link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {link.bandwidth / 1e9:.2f} GB/s; the ranks meet "
-            f"{sync.get(n, 0.0) * 1e3:.2f} ms late per step (measured: steps of the model's compute length, with "
-            "and without a tiny all-reduce)"
-        )
-    if local_links and max(local_links) < local_max:
-        assumptions.append(
-            f"world sizes {max(local_links) + 1}..{local_max} on this machine: extrapolated from "
-            f"{max(local_links)} processes"
-        )
-    if remote_link is not None:
-        assumptions.append(
-            f"world sizes above {per_node} span machines: ring all-reduce over the link, "
-            f"{remote_link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {remote_link.bandwidth / 1e9:.2f} GB/s"
-        )
-    assumptions.append(
-        "overlap as our reducer runs it: a bucket's all-reduce starts when its gradients are ready, in bucket "
-        "order, one at a time; backward ends when the last one finishes; ddp only (dp is not modelled)"
-    )
-    return assumptions
 
 
 def _probe_sizes(buckets: list[BucketSpec]) -> tuple[int, ...]:

@@ -1,11 +1,12 @@
 """What ``paratrain plan`` measures: compute on one device, all-reduces and stragglers with real processes.
 
-    profiles = measure_profiles(work, device, [(64, 2), (32, 1)], steps=10, warmup=3)   # (batch, threads) each
+    profiles, moved = measure_profiles(work, device, [(64, 2), (32, 1)], steps=10, warmup=3, rounds=3)
     slower = measure_contention(work, (32, 1), others=1, steps=10, warmup=3)   # one peer beside it
     link = measure_link(2, sizes, bursts, timeout=600)          # python -m paratrain.tools.allreduce_probe
 
 Measurements take turns (one step of each shape in rotation) so that a shared machine's changing load does not
-favour one of them; every figure is a median.
+favour one of them; every figure is a median. Compute is measured in rounds, and how far a shape's median moved
+between rounds says whether the machine held still long enough to measure it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from ..buckets import FIRST_BUCKET_BYTES, assign_buckets
 from ..errors import ConfigError
 from ..launch import LaunchConfig, launch
+from ..parallel import Parallel
 from .plan_model import ComputeProfile, cpu_share
 from .workload import Workload, build_optimizer
 
@@ -80,15 +82,18 @@ class _Clock:
 
 
 class ProfileRun:
-    """Plain training steps (no wrapper) at one per-device batch and thread count, timed phase by phase."""
+    """The steps ``paratrain train`` runs on one device, at one per-device batch and thread count, timed phase by
+    phase: through ``Parallel`` (its loader, weighted backward and step), so that what those cost per step is in
+    the prediction as it is in the run a user launches."""
 
     def __init__(self, work: Workload, device: torch.device, batch: int, threads: int) -> None:
         self.work, self.batch, self.threads = work, batch, threads
-        self.model = work.build_model().to(device)
+        self.par = Parallel("single", [device])
+        model = work.build_model()
+        optimizer = build_optimizer(work.settings, model.parameters())
+        self.model, self.optimizer, self.loader = self.par.prepare(model, optimizer, work.loader(batch))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(work.settings, self.params)
-        self.loader = work.loader(batch).to(device)
-        self.order = self.loader.batch_indices()
+        self.batches = iter(self.loader)
         self.clock = _Clock(device)
         self.device = device
         self.ready: list[Any] = [None] * len(self.params)
@@ -97,38 +102,48 @@ class ProfileRun:
             for i, p in enumerate(self.params)
         ]
         self.phases: dict[str, list[float]] = {"data": [], "forward": [], "backward": [], "optimizer": []}
+        self.totals: list[float] = []  # each recorded step, start to end
         self.ready_times: list[list[float]] = [[] for _ in self.params]
 
     def step(self, record: bool) -> None:
-        clock = self.clock
+        clock, par = self.clock, self.par
         with _threads(self.threads):
             t0 = clock.mark()
-            indices = next(self.order, None)
-            if indices is None:
-                self.order = self.loader.batch_indices()
-                indices = next(self.order)
-            inputs, targets = self.loader.take(indices)
+            batch = next(self.batches, None)
+            if batch is None:  # the epoch's end: the same batches again (their order does not change the time)
+                self.batches = iter(self.loader)
+                batch = next(self.batches)
+            inputs, targets = batch
             t1 = clock.mark()
             loss = self.work.loss(self.model(inputs), targets)
             t2 = clock.mark()
-            loss.backward()
+            par.backward(loss)
             t3 = clock.mark()
             clip = self.work.settings.clip_grad_norm
             if clip is not None:  # as bench and train clip: part of the optimizer phase
-                torch.nn.utils.clip_grad_norm_(self.params, clip)
-            self.optimizer.step()
+                par.clip_grad_norm_(self.model, clip)
+            par.step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
             t4 = clock.mark()
         if not record:
             return
         for name, (a, b) in zip(self.phases, ((t0, t1), (t1, t2), (t2, t3), (t3, t4)), strict=True):
             self.phases[name].append(clock.seconds(a, b))
+        self.totals.append(clock.seconds(t0, t4))
         for j, mark in enumerate(self.ready):
             self.ready_times[j].append(clock.seconds(t2, mark) if mark is not None else 0.0)
+
+    def moved(self, rounds: int) -> float:
+        """How far the step's median moved between ``rounds`` equal rounds of the recorded steps: the largest
+        round's median over the smallest's, minus 1 (0 when there is one round)."""
+        size = len(self.totals) // max(rounds, 1)
+        medians = [statistics.median(self.totals[i * size : (i + 1) * size]) for i in range(rounds) if size]
+        return max(medians) / min(medians) - 1 if len(medians) > 1 and min(medians) > 0 else 0.0
 
     def profile(self, copy_repeats: int) -> ComputeProfile:
         for h in self.handles:
             h.remove()
+        self.par.close()
         med = {name: statistics.median(values) for name, values in self.phases.items()}
         with _threads(self.threads):
             copy = _bucket_copy_seconds(self.params, self.device, copy_repeats)
@@ -144,19 +159,21 @@ class ProfileRun:
 
 
 def measure_profiles(
-    work: Workload, device: torch.device, shapes: list[tuple[int, int]], steps: int, warmup: int
-) -> dict[tuple[int, int], ComputeProfile]:
-    """Medians of ``steps`` plain training steps for each (per-device batch, threads) in ``shapes``.
+    work: Workload, device: torch.device, shapes: list[tuple[int, int]], steps: int, warmup: int, rounds: int = 1
+) -> tuple[dict[tuple[int, int], ComputeProfile], dict[tuple[int, int], float]]:
+    """Medians of ``rounds`` x ``steps`` plain training steps for each (per-device batch, threads) in ``shapes``,
+    and how far each shape's median moved between the rounds (see :meth:`ProfileRun.moved`).
 
     The shapes take turns, one step each, the order rotating, so that a shared machine's changing load hits them
     alike (measured one after another, a quiet minute would favour one world size over another).
     """
     runs = [ProfileRun(work, device, batch, threads) for batch, threads in dict.fromkeys(shapes)]
-    for i in range(warmup + steps):
+    for i in range(warmup + steps * rounds):
         shift = i % len(runs)
         for run in runs[shift:] + runs[:shift]:
             run.step(record=i >= warmup)
-    return {(run.batch, run.threads): run.profile(steps) for run in runs}
+    profiles = {(run.batch, run.threads): run.profile(steps) for run in runs}
+    return profiles, {(run.batch, run.threads): run.moved(rounds) for run in runs}
 
 
 def measure_contention(work: Workload, shape: tuple[int, int], others: int, steps: int, warmup: int) -> float:
@@ -327,7 +344,8 @@ def read_link_file(path: str) -> list[list[float]]:
 
 
 def threads_per_process(world_size: int, cores: int) -> tuple[int, float]:
-    """Threads a ddp worker gets (as paratrain launch gives them), and the time-sharing slowdown."""
+    """Threads a ddp worker gets (as paratrain launch gives them: OMP_NUM_THREADS, else cores // N), and the
+    time-sharing slowdown."""
     if "OMP_NUM_THREADS" in os.environ:  # launch passes it through to every worker
         try:
             threads = max(1, int(os.environ["OMP_NUM_THREADS"]))

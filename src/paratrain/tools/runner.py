@@ -77,6 +77,7 @@ def run_config(
             [str(job)],
             module=True,
             timeout=settings.run_timeout,
+            name=f"paratrain {config.word}",
         )
     except DistributedError as exc:
         raise ConfigRunError(f"{config.word}: {exc}") from exc
@@ -85,7 +86,9 @@ def run_config(
         first = errors[0]
         raise ConfigRunError(f"{first.stem.replace('rank', 'rank ')}: {first.read_text().strip()}")
     if code != 0:
-        raise ConfigRunError(f"the {config.processes} processes exited with code {code} (torchrun's summary above)")
+        raise ConfigRunError(
+            f"the {config.processes} processes exited with code {code} (the lines above name each failed rank)"
+        )
     results = []
     for rank in range(config.processes):
         path = out / f"rank{rank}.pt"

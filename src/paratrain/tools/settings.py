@@ -85,7 +85,8 @@ class TimingSettings(Settings):
     warmup: int = setting(3, "untimed steps before each timed run", check=at_least(0))
     repeats: int = setting(
         3,
-        "timed runs of each configuration, round robin (plan: with --validate); the report takes medians",
+        "timed runs of each configuration, round robin; the report takes medians (plan: rounds of its own "
+        "measurements, whose medians must agree, and of bench with --validate)",
         check=at_least(1),
     )
 

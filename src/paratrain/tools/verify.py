@@ -8,15 +8,17 @@
 Every configuration starts from the same weights (built once here, saved, loaded by each) and trains on the same
 global batches for ``--steps`` optimizer steps. Per step it records the global batch's loss, every parameter's
 synchronised gradient (after backward, before the step) and the parameters after the step; each is compared
-with ``single``'s. A configuration that differs beyond the tolerance is named with the first parameter that
-diverges in forward order and the causes recognised. What this machine cannot run is reported as skipped.
+with ``single``'s, and passes when it is as close as the computation's rounding allows, measured against single
+run in float64 (:mod:`paratrain.tools.verify_compare`). A configuration that differs beyond that is named with
+the first parameter that diverges in forward order and the causes recognised. What this machine cannot run is
+reported as skipped.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,38 +32,21 @@ from .diagnose import (
     batchnorm_cause,
     dropout_cause,
     forward_order,
+    probe_forward,
     randomness_causes,
     sum_loss_cause,
 )
 from .report import format_table, write_json
 from .runner import ConfigRunError, run_config
 from .settings import RunSettings, settings_from
+from .verify_compare import Tolerance, compare, fixed_tolerance
 from .workload import Workload, build_optimizer, endless
 
-__all__ = ["ConfigVerdict", "VerifyConfig", "VerifyReport", "default_tolerance", "verify"]
+__all__ = ["ConfigVerdict", "VerifyConfig", "VerifyReport", "verify"]
 
 PASS, FAIL, SKIPPED, ERROR = "PASS", "FAIL", "SKIPPED", "ERROR"
 
-# Default (rtol, atol) by parameter dtype. A tensor passes when max|a - b| <= atol + rtol * max|b|: the
-# rounding a different split adds comes from summing partial results in another order, so it scales with the
-# magnitude of the tensor's terms, not with each element (an element near zero is the sum of larger terms that
-# cancel; an element-wise rtol would fail it for rounding alone). float32 keeps ~7 digits; sums over a batch
-# and a few steps of SGD lose one or two, measured here at up to ~2e-6 relative, so 1e-5 leaves a 5x margin
-# while a real difference (a share's BatchNorm statistics, a loss off by the device count) is 1e-3 or more.
-_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-10, 1e-12),
-    torch.float32: (1e-5, 1e-7),
-    torch.bfloat16: (2e-2, 1e-4),
-    torch.float16: (2e-3, 1e-5),
-}
-
-
 _COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
-
-def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol) for parameters of ``dtype``."""
-    return _TOLERANCES.get(dtype, _TOLERANCES[torch.float32])
 
 
 @dataclass
@@ -69,9 +54,14 @@ class VerifyConfig(RunSettings):
     """Settings of ``paratrain verify``."""
 
     rtol: float | None = setting(
-        None, "relative tolerance, of each tensor's largest value (default: by dtype)", check=optional(at_least(0))
+        None,
+        "compare with single within this tolerance, relative to each tensor's largest value, instead of the "
+        "rounding measured against float64 (default: by dtype, with --atol)",
+        check=optional(at_least(0)),
     )
-    atol: float | None = setting(None, "absolute tolerance (default: by dtype)", check=optional(at_least(0)))
+    atol: float | None = setting(
+        None, "with --rtol: the absolute tolerance (default: by dtype)", check=optional(at_least(0))
+    )
 
 
 @dataclass
@@ -84,6 +74,8 @@ class ConfigVerdict:
     devices: int = 1
     max_abs: dict[str, float] = field(default_factory=dict)  # loss, gradient, parameter
     max_rel: dict[str, float] = field(default_factory=dict)
+    # float64 rule: per quantity, the largest distance from float64 in units of single's own (passes up to FACTOR)
+    rounding: dict[str, float] = field(default_factory=dict)
     first_divergence: dict[str, Any] | None = None  # step, parameter, quantity, abs, rel
     causes: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
@@ -94,11 +86,18 @@ class VerifyReport:
     """What ``verify`` found; :attr:`ok` is False when a configuration failed or could not run."""
 
     settings: dict[str, Any]
-    rtol: float
-    atol: float
+    tolerance: Tolerance
     verdicts: list[ConfigVerdict]
     forward_order: list[str]
     written: list[str] = field(default_factory=list)  # the files written (the JSON report)
+
+    @property
+    def rtol(self) -> float:
+        return self.tolerance.rtol
+
+    @property
+    def atol(self) -> float:
+        return self.tolerance.atol
 
     @property
     def ok(self) -> bool:
@@ -112,26 +111,31 @@ class VerifyReport:
             "command": "verify",
             "ok": self.ok,
             "settings": self.settings,
-            "tolerance": {"rtol": self.rtol, "atol": self.atol, "rule": "max|a-b| <= atol + rtol * max|single|"},
+            "tolerance": {**asdict(self.tolerance), "text": self.tolerance.describe()},
             "forward_order": self.forward_order,
             "configs": [asdict(v) for v in self.verdicts],
         }
 
     def render(self) -> str:
+        measured = self.tolerance.rule == "float64"
         rows = []
         for v in self.verdicts:
             if v.status in (SKIPPED, ERROR):
-                rows.append([v.config, "-", "-", "-", f"{v.status}: {v.reason}"])
+                rows.append([v.config, "-", "-", "-", *(["-"] if measured else []), f"{v.status}: {v.reason}"])
                 continue
+            rounding = [f"{max(v.rounding.values(), default=0.0):.1f}x"] if measured else []
             rows.append(
                 [v.config]
                 + [f"{v.max_abs[q]:.2e} / {v.max_rel[q]:.2e}" for q in ("loss", "gradient", "parameter")]
+                + rounding
                 + [v.status]
             )
+        headers = ["configuration", "loss abs/rel", "gradients abs/rel", "parameters abs/rel"]
+        headers += ["rounding vs single's"] if measured else []
         lines = [
-            format_table(["configuration", "loss abs/rel", "gradients abs/rel", "parameters abs/rel", "verdict"], rows),
-            f"tolerance: max|diff| <= {self.atol:g} + {self.rtol:g} x max|single| per tensor; "
-            f"{self.settings['steps']} steps, global batch {self.settings['batch_size']}",
+            format_table([*headers, "verdict"], rows),
+            f"differences from single; tolerance: {self.tolerance.describe()}; {self.settings['steps']} steps, "
+            f"global batch {self.settings['batch_size']}",
         ]
         for v in self.verdicts:
             if v.status != FAIL:
@@ -162,8 +166,13 @@ def run_in(par: Parallel, settings: VerifyConfig, extra: dict[str, Any]) -> dict
     work = Workload.load(settings)
     model = work.build_model()
     model.load_state_dict(torch.load(extra["initial_state"], weights_only=True))
+    exact = bool(extra.get("float64"))  # the reference run: parameters, data and every step in float64
+    if exact:
+        model = model.double()
     optimizer = build_optimizer(settings, model.parameters())
     model, optimizer, loader = par.prepare(model, optimizer, work.loader())
+    if exact:  # after prepare's own hook, which knows the batch by the tensors the loader yielded
+        model.register_forward_pre_hook(_to_float64)
     inner = par.unwrap(model)
     params = list(inner.parameters())
     seed_everything(settings.seed)  # every configuration's random stream starts alike (dropout)
@@ -191,66 +200,8 @@ def run_in(par: Parallel, settings: VerifyConfig, extra: dict[str, Any]) -> dict
     return {"names": [n for n, _ in inner.named_parameters()], "losses": losses, "grads": grads, "params": after}
 
 
-# -- comparing against single --------------------------------------------------------------------------------------
-
-
-def _difference(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float, float]:
-    """(max abs difference, that relative to max|b|, max|b|); a missing gradient on one side only is infinite."""
-    if a is None or b is None:
-        return (0.0, 0.0, 0.0) if a is None and b is None else (float("inf"), float("inf"), 0.0)
-    if a.shape != b.shape:
-        return float("inf"), float("inf"), 0.0
-    diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-    scale = float(b.double().abs().max()) if b.numel() else 0.0
-    return diff, diff / scale if scale else (0.0 if diff == 0 else float("inf")), scale
-
-
-def compare(
-    reference: dict[str, Any], other: dict[str, Any], order: list[str], rtol: float, atol: float
-) -> tuple[dict[str, float], dict[str, float], dict[str, Any] | None, bool]:
-    """Largest abs/rel differences per quantity, the first divergence, and whether everything is within tolerance.
-
-    The first divergence is at the earliest step where a gradient or a parameter is out of tolerance: the first
-    such parameter in forward ``order``, its gradient if that diverges, else its value after the step.
-    """
-    if other["names"] != reference["names"]:
-        raise ConfigRunError("the configuration's model has different parameters from single's")
-    names = reference["names"]
-    position = {name: i for i, name in enumerate(names)}
-    ranked = [n for n in order if n in position] + [n for n in names if n not in order]
-    max_abs = {"loss": 0.0, "gradient": 0.0, "parameter": 0.0}
-    max_rel = dict(max_abs)
-    ok = True
-    first: dict[str, Any] | None = None
-
-    def within(quantity: str, a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[bool, float, float]:
-        d, r, scale = _difference(a, b)
-        max_abs[quantity], max_rel[quantity] = max(max_abs[quantity], d), max(max_rel[quantity], r)
-        return d <= atol + rtol * scale, d, r
-
-    for step in range(len(reference["losses"])):
-        loss_ok, _, _ = within(
-            "loss",
-            torch.tensor(other["losses"][step], dtype=torch.float64),
-            torch.tensor(reference["losses"][step], dtype=torch.float64),
-        )
-        ok = ok and loss_ok
-        for rank, name in enumerate(ranked, start=1):
-            i = position[name]
-            for quantity, key in (("gradient", "grads"), ("parameter", "params")):
-                same, d, r = within(quantity, other[key][step][i], reference[key][step][i])
-                if not same:
-                    ok = False
-                    if first is None:
-                        first = {
-                            "step": step + 1,
-                            "parameter": name,
-                            "position": rank,
-                            "quantity": quantity,
-                            "abs": d,
-                            "rel": r,
-                        }
-    return max_abs, max_rel, first, ok
+def _to_float64(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 # -- the command -------------------------------------------------------------------------------------------------
@@ -270,11 +221,8 @@ def verify(config: VerifyConfig | None = None, /, **settings: Any) -> VerifyRepo
     work = Workload.load(config)
     model = work.build_model()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    # mixed precision computes in the lower precision whatever the parameters hold: its tolerance applies
+    # mixed precision computes in the lower precision whatever the parameters hold: its rounding applies
     dtype = _COMPUTE_DTYPES.get(config.precision, dtype)
-    rtol_default, atol_default = default_tolerance(dtype)
-    rtol = config.rtol if config.rtol is not None else rtol_default
-    atol = config.atol if config.atol is not None else atol_default
     sample = work.sample_batch(min(config.batch_size, 8))[0]
     order = forward_order(model, sample)
     with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as tmp:
@@ -285,10 +233,11 @@ def verify(config: VerifyConfig | None = None, /, **settings: Any) -> VerifyRepo
         started = time.perf_counter()
         reference = run_config(run_in, config, single, workdir, extra)[0]
         single_seconds = time.perf_counter() - started
+        tolerance, exact = _tolerance(config, single, workdir, extra, reference, dtype, model, sample)
         verdicts = []
         for run in configs:
             if run == single:
-                verdicts.append(_verdict_for(run, reference, reference, order, rtol, atol, config, model, sample))
+                verdicts.append(_verdict_for(run, reference, reference, order, tolerance, exact, config, model, sample))
                 verdicts[-1].seconds = single_seconds
                 continue
             why_not = unavailable_reason(run)
@@ -301,14 +250,41 @@ def verify(config: VerifyConfig | None = None, /, **settings: Any) -> VerifyRepo
             except ConfigRunError as exc:
                 verdicts.append(ConfigVerdict(run.word, ERROR, str(exc), run.device_count))
                 continue
-            verdict = _verdict_for(run, reference, result, order, rtol, atol, config, model, sample)
+            verdict = _verdict_for(run, reference, result, order, tolerance, exact, config, model, sample)
             verdict.seconds = time.perf_counter() - started
             verdicts.append(verdict)
-    report = VerifyReport(asdict(config), rtol, atol, verdicts, order)
+    report = VerifyReport(asdict(config), tolerance, verdicts, order)
     if config.report_out:
         write_json(report.as_dict(), config.report_out)
         report.written.append(config.report_out)
     return report
+
+
+def _tolerance(
+    config: VerifyConfig,
+    single: RunConfig,
+    workdir: Path,
+    extra: dict[str, Any],
+    reference: dict[str, Any],
+    dtype: torch.dtype,
+    model: torch.nn.Module,
+    sample: torch.Tensor,
+) -> tuple[Tolerance, dict[str, Any] | None]:
+    """The rule every configuration is judged by, and the float64 run it measures rounding against (if any)."""
+    if config.rtol is not None or config.atol is not None:
+        rtol, atol = fixed_tolerance(dtype)
+        given = Tolerance.fixed(
+            config.rtol if config.rtol is not None else rtol,
+            config.atol if config.atol is not None else atol,
+            dtype,
+            "--rtol/--atol given",
+        )
+        return given, None
+    # single again, exactly: float64 throughout and no autocast
+    exact = run_config(run_in, replace(config, precision="32"), single, workdir, {**extra, "float64": True})[0]
+    nondeterministic, _ = probe_forward(model, sample, config.seed)
+    tolerance = Tolerance.entitled(reference, exact, dtype, nondeterministic)
+    return tolerance, exact if tolerance.rule == "float64" else None
 
 
 def _verdict_for(
@@ -316,14 +292,17 @@ def _verdict_for(
     reference: dict[str, Any],
     result: dict[str, Any],
     order: list[str],
-    rtol: float,
-    atol: float,
+    tolerance: Tolerance,
+    exact: dict[str, Any] | None,
     settings: VerifyConfig,
     model: torch.nn.Module,
     sample: torch.Tensor,
 ) -> ConfigVerdict:
-    max_abs, max_rel, first, ok = compare(reference, result, order, rtol, atol)
-    verdict = ConfigVerdict(run.word, PASS if ok else FAIL, "", run.device_count, max_abs, max_rel, first)
+    found = compare(reference, result, order, tolerance, exact)
+    ok = found.ok
+    verdict = ConfigVerdict(
+        run.word, PASS if ok else FAIL, "", run.device_count, found.max_abs, found.max_rel, found.rounding, found.first
+    )
     if not ok:
         verdict.causes = [asdict(c) for c in _causes(run, reference, result, settings, model, sample)]
     return verdict

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..errors import ConfigError, DataError
 from .data import DatasetSplits, TensorData, normalise
 
-__all__ = ["DATASET_NAMES", "load_dataset"]
+__all__ = ["DATASET_NAMES", "dataset_shape", "load_dataset"]
 
 DATASET_NAMES = ("digits", "digits60k", "mnist", "random")
 
@@ -81,6 +81,22 @@ def load_dataset(
         return load_mnist(data_dir, download=download, verify=verify)
     if name == "random":
         return _random() if input_shape is None else _random_shaped(input_shape, num_classes, samples, seed)
+    raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}")
+
+
+def dataset_shape(
+    name: str, input_shape: tuple[int, ...] | None = None, num_classes: int = 10
+) -> tuple[tuple[int, ...], int]:
+    """(per-sample input shape, number of classes) of a dataset, without loading it (as :func:`load_dataset`
+    would give them for the same arguments).
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if name in ("digits", "digits60k", "mnist"):
+        return (1, _SIDE, _SIDE), 10
+    if name == "random":
+        return ((5,), 2) if input_shape is None else (tuple(input_shape), num_classes)
     raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASET_NAMES)}")
 
 

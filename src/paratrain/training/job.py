@@ -21,12 +21,16 @@ import torch
 from torch import nn
 
 from ..checkpoint import check_writable
-from ..errors import TrainingError
-from ..files import remove_stale_temporaries
+from ..environment import ClusterEnvironment
+from ..errors import TrainingError, TrainingInterrupted
+from ..files import is_stdout, remove_stale_temporaries
 from ..parallel import Parallel, seed_everything
+from ..strategies import resolve_devices, resolve_strategy
 from .config import TrainConfig
 from .data import TensorData, parse_input_shape
 from .datasets import load_dataset
+from .fit import check_fits
+from .interrupt import StopRequest, interrupted_message
 from .loader import DeviceLoader
 from .logs import RunLog
 from .model_spec import build_model_spec
@@ -34,8 +38,10 @@ from .optimizers import apply_settings, build_optimizer, build_scheduler, optimi
 from .progress import Progress
 from .recovery import ProgressLog
 from .results import TrainResult, fingerprint, write_metrics
-from .state import Position, find_resume, restore, save
-from .stepper import LossMeter, Stepper
+from .resume import plan_start
+from .state import Position, RunRecord, restore, save
+from .stepper import LossMeter, StepOutcome, Stepper
+from .threads import MachineLoad, choose_threads, using_threads
 from .timing import StepTimer, time_breakdown
 from .tracking import Tracker
 
@@ -63,16 +69,29 @@ def evaluate(par: Parallel, model: nn.Module, data: TensorData, batch_size: int 
 def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> TrainResult:
     """Run the training job described by ``config``; see the module docstring for examples.
 
-    ``log`` receives every line the main process would print (default: stdout).
+    ``log`` receives every line the main process would print (default: stdout). The run computes with the CPU
+    threads :func:`~paratrain.training.threads.choose_threads` picks (torch's setting is restored afterwards).
+
+    Raises:
+        ConfigError: settings no run can use, a checkpoint directory holding another run's checkpoints, or a
+            model that does not take the data; before the first step.
+        TrainingInterrupted: Ctrl-C stopped the run after a step (its checkpoint saved with --checkpoint-dir).
     """
     config.check()
-    with Parallel(
-        config.strategy,
-        config.devices,
-        timeout=config.timeout,
-        precision=config.precision,
-        hang_report=config.hang_report_path(),
-    ) as par:
+    environment = ClusterEnvironment.detect()
+    strategy = resolve_strategy(config.strategy, config.devices, environment)
+    devices = resolve_devices(config.devices) if strategy == "dp" else []
+    threads = choose_threads(strategy, devices, launched=environment.launched)
+    with (
+        using_threads(threads),
+        Parallel(
+            config.strategy,
+            config.devices,
+            timeout=config.timeout,
+            precision=config.precision,
+            hang_report=config.hang_report_path(),
+        ) as par,
+    ):
         return _Run(config, par, log).run()
 
 
@@ -83,7 +102,13 @@ class _Run:
         self.config = config
         self.par = par
         self.wall_start = time.perf_counter()
-        self.progress = Progress(enabled=par.is_main, bar=False if config.quiet else config.progress_bar, log=log)
+        self.load_at_start = MachineLoad.now()
+        self.progress = Progress(
+            enabled=par.is_main,
+            bar=False if config.quiet else config.progress_bar,
+            log=log,
+            stderr=config.metrics_out is not None and is_stdout(config.metrics_out),  # keep the JSON parseable
+        )
         self.checkpoints = Path(config.checkpoint_dir) if config.checkpoint_dir else None
         if par.is_main:  # the main process writes every output: each is checked before the first step
             config.check_outputs()
@@ -96,7 +121,8 @@ class _Run:
         restarted = par.environment.restart_count > 0
         continuing = torch.tensor([int(restarted or self.recovery.interrupted())], dtype=torch.int64)
         self.continuing = bool(par.broadcast(continuing)[0])
-        self.resume_path = find_resume(config, self.checkpoints, self.continuing)
+        self.start = plan_start(config, self.checkpoints, self.continuing)
+        self.resume_path = self.start.path
         shape = parse_input_shape(config.input_shape) if config.input_shape is not None else None
         self.splits = load_dataset(
             config.dataset_name,
@@ -110,6 +136,7 @@ class _Run:
         model = build_model_spec(
             config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
         )
+        check_fits(model, self.splits.train.inputs[:2], input_shape=self.splits.input_shape, spec=config.model)
         optimizer = build_optimizer(
             model.parameters(),
             config.optimizer,
@@ -128,8 +155,9 @@ class _Run:
             optimizer, config.lr_schedule, warmup_steps=config.warmup_steps, total_steps=config.epochs * len(loader)
         )
         self.pos = Position()
+        self.record = RunRecord(config.epochs, config.metrics_out)
         if self.resume_path is not None:
-            self.pos = restore(self.resume_path, config, par, self.model, optimizer, self.scheduler)
+            self.pos, self.record = restore(self.resume_path, config, par, self.model, optimizer, self.scheduler)
             # settings a resumed run may change (learning rate, momentum, weight decay, betas) take effect: the
             # checkpoint's optimizer state brought back the old ones
             apply_settings(
@@ -142,7 +170,8 @@ class _Run:
                 betas=config.betas,
             )
             again = " after a restart" if self.continuing else ""
-            self.say(f"Resuming{again} from {self.resume_path} (epoch {self.pos.epoch}, batch {self.pos.batch})")
+            if not self.start.complete:
+                self.say(f"Resuming{again} from {self.resume_path} (epoch {self.pos.epoch}, batch {self.pos.batch})")
         self.recovery.start(self.pos.global_step, continuing=self.continuing)
         # where this invocation started, as the main process (which keeps the record) knows it: every rank must
         # stop at the same step
@@ -160,7 +189,8 @@ class _Run:
         )
         self.tracker = None
         if config.log_dir is not None:  # every process takes part in the logged values; the main one writes
-            resumed_at = self.pos.global_step if self.resume_path is not None else None
+            # the rows of every step the checkpoint covers (step indices 0 .. global_step - 1) are kept
+            resumed_at = self.pos.global_step - 1 if self.resume_path is not None else None
             run_log = None
             if par.is_main:
                 tensorboard, plot = config.tensorboard is not False, config.plot is not False
@@ -170,24 +200,42 @@ class _Run:
         self.eval_seconds = self.checkpoint_seconds = 0.0
         self.epoch_losses: list[float] = []
         self.epoch_accuracy: list[float] = []
+        self.stop: StopRequest | None = None
+        self.interrupted = False
+        self.loop_start = 0.0
 
     def say(self, line: str) -> None:
         if not self.config.quiet:
             self.progress.write(line)
 
     def run(self) -> TrainResult:
-        config, splits = self.config, self.splits
+        config, splits, par = self.config, self.splits, self.par
+        if self.start.complete:  # nothing to train: say where the finished run's results are
+            self.say(self.start.complete_message())
+            if self.tracker is not None:
+                self.tracker.close()
+            return self._result(0.0)
+        per_process = ""
+        if par.world_size > 1:
+            low, high = config.batch_size // par.world_size, -(-config.batch_size // par.world_size)
+            per_process = f" ({low}{f' or {high}' if high != low else ''} per process)"
+        epochs = f"{config.epochs} epoch{'s' * (config.epochs != 1)}"
         self.say(
             f"Training {config.model} on {config.dataset_name} ({len(splits.train)} train / {len(splits.test)} test) "
-            f"with {self.par.describe()}, global batch {config.batch_size}, {config.epochs} epochs"
+            f"with {par.describe()}, global batch {config.batch_size}{per_process}, {epochs}"
         )
-        loop_start = time.perf_counter()
+        self.loop_start = time.perf_counter()
         try:
-            for epoch in range(self.pos.epoch, config.epochs):
-                # a restart after the last step (a worker killed while the run was ending) trains no further
-                if self._reached_max_steps() or not self._epoch(epoch):
-                    break
-            loop_seconds = max(time.perf_counter() - loop_start, 1e-9)
+            with StopRequest(par) as self.stop:
+                for epoch in range(self.pos.epoch, config.epochs):
+                    # a restart after the last step (a worker killed while the run was ending) trains no further
+                    if self._reached_max_steps() or not self._epoch(epoch):
+                        break
+            if self.interrupted:
+                pos = self.pos
+                self.progress.write(interrupted_message(pos.global_step, pos.epoch, pos.batch, self.checkpoints))
+                raise TrainingInterrupted
+            loop_seconds = max(time.perf_counter() - self.loop_start, 1e-9)
             self.recovery.finish(self.pos.global_step)
             result = self._result(loop_seconds)
         finally:
@@ -218,28 +266,34 @@ class _Run:
             self.steps += 1
             pos.global_step += 1
             self.recovery.step(pos.global_step)
-            self.progress.step(i, global_batch, step.loss)
+            logged = i % config.log_every == 0
+            shown = self._logged_loss(step) if logged and not config.quiet else None
+            self.progress.step(i, global_batch, step.loss if par.world_size == 1 else shown)
             if self.tracker is not None:
                 self.tracker.add(step, global_batch)
-            if i % config.log_every == 0:
-                self.say(f"Epoch {epoch}, Step {i}, Loss: {step.loss.item()}")
+            if logged:
+                if shown is not None:
+                    self.say(f"Epoch {epoch}, Step {i}, Loss: {shown}")
                 self.timer.flush()  # on a GPU: read the step timer's events (the loss above synchronised anyway)
                 if self.tracker is not None:
                     self.tracker.log_step(
-                        step=pos.global_step,
+                        step=pos.global_step - 1,  # the index of the step just done: epoch 0's equals Step above
                         epoch=epoch,
                         skipped_steps=par.precision.skipped_steps,
                         step_seconds=self.timer.elapsed,
                     )
             reached = self._reached_max_steps()
+            assert self.stop is not None
+            self.interrupted = self.interrupted or self.stop.due(pos.global_step, self.loop_start, self.steps)
+            halt = reached or self.interrupted
             if i + 1 == len(loader):
                 break  # the end-of-epoch checkpoint below covers this point
             periodic = bool(config.checkpoint_every) and pos.global_step % config.checkpoint_every == 0
-            if reached or (self.checkpoints is not None and periodic):
+            if halt or (self.checkpoints is not None and periodic):
                 pos.epoch, pos.batch = epoch, i + 1
                 pos.loss_sum, pos.loss_count = _reduced_loss(par, *meter.totals())
                 self._save()
-            if reached:
+            if halt:
                 self.timer.stop()
                 self.progress.end_epoch()
                 return False
@@ -254,19 +308,30 @@ class _Run:
                 f"instead of training on to a meaningless model"
             )
         self.epoch_accuracy.append(self._evaluate())
+        self.record.epoch_losses.append(self.epoch_losses[-1])
+        self.record.epoch_test_accuracy.append(self.epoch_accuracy[-1])
         self.pos = Position(epoch + 1, 0, pos.global_step)
         self.say(
             f"Epoch {epoch} done: train loss {self.epoch_losses[-1]:.4f}, test accuracy {self.epoch_accuracy[-1]:.2%}"
         )
         if self.tracker is not None:
             self.tracker.log_epoch(
-                step=pos.global_step,
+                step=pos.global_step - 1,  # the index of the epoch's last step
                 epoch=epoch,
                 train_loss=self.epoch_losses[-1],
                 test_accuracy=self.epoch_accuracy[-1],
             )
         self._save()
-        return not reached
+        return not (reached or self.interrupted)
+
+    def _logged_loss(self, step: StepOutcome) -> float:
+        """The step's loss over the whole global batch: every process's samples (one small all-reduce under ddp,
+        only at logged steps); in one process the loss the step computed."""
+        if self.par.world_size == 1:
+            return float(step.loss.item())
+        count = torch.tensor(float(step.samples), dtype=torch.float64, device=step.loss_sum.device)
+        total, samples = self.par.all_reduce(torch.stack([step.loss_sum, count]), "sum").tolist()
+        return total / samples if samples else float("nan")
 
     def _reached_max_steps(self) -> bool:
         # counted from where this invocation started, so a restarted attempt stops where the first would have
@@ -287,24 +352,30 @@ class _Run:
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "precision": self.par.precision.state_dict(),
             }
-            save(self.par, self.checkpoints, self.config, self.model, self.optimizer, self.pos, extra)
+            save(self.par, self.checkpoints, self.config, self.model, self.optimizer, self.pos, self.record, extra)
             self.checkpoint_seconds += time.perf_counter() - started
 
     def _result(self, loop_seconds: float) -> TrainResult:
         config, par, pos = self.config, self.par, self.pos
+        history = self.record  # every epoch since the run began, this invocation's included
         # the training steps alone: the loop less evaluation and checkpoint writes, which have their own figures
         train_seconds = max(loop_seconds - self.eval_seconds - self.checkpoint_seconds, 1e-9)
         if self.epoch_losses:
             train_loss = self.epoch_losses[-1]
-        else:  # stopped inside the first epoch of this run: the partial epoch's mean
-            train_loss = pos.loss_sum / pos.loss_count if pos.loss_count else float("nan")
-        just_evaluated = bool(self.epoch_accuracy) and pos.batch == 0  # stopped at an epoch's end
-        test_accuracy = self.epoch_accuracy[-1] if just_evaluated else self._evaluate()
+        elif pos.loss_count:  # stopped inside the first epoch of this invocation: the partial epoch's mean
+            train_loss = pos.loss_sum / pos.loss_count
+        else:  # nothing trained here (the run was complete): its last epoch's
+            train_loss = history.epoch_losses[-1] if history.epoch_losses else float("nan")
+        if history.epoch_test_accuracy and pos.batch == 0:  # at an epoch's end, which was evaluated
+            test_accuracy = history.epoch_test_accuracy[-1]
+        else:
+            test_accuracy = self._evaluate()
+        load = MachineLoad.busiest(self.load_at_start, MachineLoad.now())
         return TrainResult(
             test_accuracy=test_accuracy,
             train_loss=train_loss,
             epochs=config.epochs,
-            samples_per_second=self.samples / train_seconds,
+            samples_per_second=self.samples / train_seconds if self.samples else 0.0,
             wall_seconds=time.perf_counter() - self.wall_start,
             strategy=par.strategy_name,
             devices=par.world_devices(),
@@ -336,6 +407,9 @@ class _Run:
             eval_seconds=self.eval_seconds,
             checkpoint_seconds=self.checkpoint_seconds,
             time_breakdown=time_breakdown(par, self.timer),
+            threads=torch.get_num_threads(),
+            cores=load.cores,
+            load_average=load.load_average,
         )
 
 

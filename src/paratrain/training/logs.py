@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..files import atomic_writer
 
-__all__ = ["CSV_NAME", "PLOT_NAME", "RunLog", "check_extras", "read_metrics"]
+__all__ = ["CSV_NAME", "PLOT_NAME", "RunLog", "check_extras", "install_hint", "read_metrics"]
 
 CSV_NAME = "metrics.csv"
 PLOT_NAME = "curves.png"
@@ -35,12 +35,17 @@ _EXTRAS = {
 }
 
 
+def install_hint(extra: str) -> str:
+    """How to install one of paratrain's extras, from PyPI or in a clone of the repository."""
+    return f"pip install 'paratrain[{extra}]' (in a clone of paratrain: pip install -e '.[{extra}]')"
+
+
 def _missing(extra: str, error: BaseException | None = None) -> ConfigError:
     writes, package, install, flag = _EXTRAS[extra]
     found = f" ({error})" if error is not None else ""
     return ConfigError(
         f"--log-dir writes {writes}, which need the {package} package, not importable here{found}: "
-        f"pip install '{install}', or add {flag} to go without"
+        f"{install_hint(install.removeprefix('paratrain[').removesuffix(']'))}, or add {flag} to go without"
     )
 
 
@@ -58,8 +63,8 @@ class RunLog:
         directory: created if missing.
         tensorboard: write TensorBoard event files (imports ``torch.utils.tensorboard`` now, not mid-run).
         plot: draw ``curves.png`` on :meth:`plot` (imports matplotlib now).
-        resume_step: the optimizer step a resumed run continues after; rows and events after it are dropped.
-            None for a fresh run, which starts a new metrics.csv.
+        resume_step: the last optimizer step a resumed run's checkpoint covers (counted from 0); rows and events
+            after it are dropped. None for a fresh run, which starts a new metrics.csv.
 
     Raises:
         ConfigError: an optional package that cannot be imported, or a directory that cannot be written.
@@ -97,7 +102,8 @@ class RunLog:
         self._file.flush()
 
     def scalars(self, values: dict[str, float], *, step: int, epoch: int) -> None:
-        """One value per series at ``step`` (optimizer steps so far) during ``epoch`` (0-based)."""
+        """One value per series at optimizer step ``step`` of ``epoch``, both counted from 0 as on the console
+        (the first step is step 0 of epoch 0)."""
         for name, value in values.items():
             self._csv.writerow((step, epoch, name, repr(float(value))))
             if self._writer is not None:
@@ -115,9 +121,9 @@ class RunLog:
             return None
         rows = read_metrics(self.csv_path)
 
-        def series(name: str, by_epoch: bool = False) -> list[tuple[float, float]]:
+        def series(name: str, by_epoch: bool = False, scale: float = 1.0) -> list[tuple[float, float]]:
             x = "epoch" if by_epoch else "step"
-            return [(float(r[x]) + by_epoch, float(r["value"])) for r in rows if r["name"] == name]
+            return [(float(r[x]), float(r["value"]) * scale) for r in rows if r["name"] == name]
 
         figure = self._figure(figsize=(10, 4), dpi=100)
         loss_axes, accuracy_axes = figure.subplots(1, 2)
@@ -125,13 +131,13 @@ class RunLog:
             points = series(name)
             if points:
                 loss_axes.plot(*zip(*points, strict=True), style, label=label)
-        loss_axes.set(title="train loss", xlabel="optimizer step", ylabel="cross-entropy")
+        loss_axes.set(title="train loss", xlabel="optimizer step (from 0)", ylabel="cross-entropy")
         if loss_axes.lines:
             loss_axes.legend()
-        accuracy = series("epoch/test_accuracy", by_epoch=True)
+        accuracy = series("epoch/test_accuracy", by_epoch=True, scale=100.0)  # in percent, as the console says
         if accuracy:
             accuracy_axes.plot(*zip(*accuracy, strict=True), "o-")
-        accuracy_axes.set(title="test accuracy", xlabel="epoch", ylabel="accuracy")
+        accuracy_axes.set(title="test accuracy after each epoch", xlabel="epoch (from 0)", ylabel="accuracy (%)")
         figure.tight_layout()
         path = self.directory / PLOT_NAME
         with atomic_writer(path, "wb") as file:

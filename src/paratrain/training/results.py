@@ -73,16 +73,27 @@ class TrainResult:
     checkpoint_seconds: float = 0.0  # writing checkpoints, on the main process
     # each rank's average seconds per step waiting for data, in forward, backward, the optimizer and the rest
     time_breakdown: dict[str, Any] = field(default_factory=dict)
+    threads: int = 0  # torch's intra-op CPU threads per process (training/threads.py chose them)
+    cores: int = 0  # the machine's
+    load_average: float | None = None  # the machine's over one minute, the higher of the run's start and end
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
         skipped = f"  {self.skipped_steps} steps skipped (inf/nan gradients)" if self.skipped_steps else ""
+        busy = ""
+        if self.load_average is not None and self.cores and self.load_average > self.cores:
+            busy = (
+                f"  (the machine was oversubscribed, load average {self.load_average:.1f} on {self.cores} cores: "
+                f"timings are slower than on a quiet machine)"
+            )
+        each = " per process" if self.world_size > 1 else ""
+        threads = f", {self.threads} CPU thread{'s' * (self.threads != 1)}{each}" if self.threads else ""
         return (
             f"test accuracy {self.test_accuracy:.2%}  train loss {self.train_loss:.4f}  "
             f"wall {self.wall_seconds:.1f}s  {self.samples_per_second:,.0f} samples/s  "
-            f"strategy {self.strategy} on {', '.join(self.devices)}{skipped}"
+            f"strategy {self.strategy} on {', '.join(self.devices)}{threads}{skipped}{busy}"
         )
 
 

@@ -4,7 +4,8 @@
 
 JOB.json holds the run's settings (``{"config": TrainConfig.to_dict()}``), written by
 :func:`paratrain.training.command.launch_train`. Errors are reported as the command reports them (one line,
-exit 2 for a usage error, 1 for a runtime error).
+exit 2 for a usage error, 1 for a runtime error) and recorded for the launcher's summary; a run stopped by
+Ctrl-C exits 130 (rank 0 said where it stopped); a closed stdout ends the rank quietly with 141.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from ..errors import CollectiveError, ConfigError, ParatrainError
+from ..environment import ClusterEnvironment
+from ..errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
+from ..failures import record_error
 from .config import TrainConfig
 from .job import train
+from .progress import stdout_closed
 
 EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -27,25 +31,35 @@ def main(argv: list[str]) -> int:
         config = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text())["config"], source=argv[0])
         train(config)
     except ConfigError as exc:
-        print(f"paratrain train: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(exc, EXIT_USAGE)
     except CollectiveError as exc:
-        print(f"paratrain train: error: {exc}", file=sys.stderr)
+        _failed(exc, EXIT_RUNTIME)
         # a collective that will never complete: the interpreter's teardown would wait for it (gloo waits its own
         # timeout), keeping the whole job alive; leave now, so the launcher stops the others
         _leave(EXIT_RUNTIME)
     except ParatrainError as exc:
-        print(f"paratrain train: error: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
+        return _failed(exc, EXIT_RUNTIME)
+    except TrainingInterrupted:
+        _leave(EXIT_INTERRUPTED)  # every rank stopped after the same step; rank 0 said where, and what it saved
     except KeyboardInterrupt:
-        print("paratrain train: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        if ClusterEnvironment.detect().rank == 0:  # every rank got the signal: one line is enough
+            print("paratrain train: interrupted", file=sys.stderr)
+        _leave(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        _leave(stdout_closed())
     # A worker whose job is done (results written, process group destroyed, our threads joined) leaves without
     # the interpreter's teardown. Native threads that outlive it (gloo's, the store's) may still drop the last
     # reference to a Python object then, which kills the process with SIGABRT ("terminate called without an active
     # exception") and turns a finished job into a failed one. The library avoids every such object it knows of
     # (collectives.no_python_in_work); this is the worker's guard for the rest.
     _leave(0)
+
+
+def _failed(exc: ParatrainError, code: int) -> int:
+    message = f"paratrain train: error: {exc}"
+    print(message, file=sys.stderr)
+    record_error(message)  # the launcher's line for this rank quotes it
+    return code
 
 
 def _leave(code: int) -> NoReturn:
