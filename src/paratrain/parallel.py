@@ -120,6 +120,7 @@ class Parallel:
         self._micro = Recording(self._ledger)  # the micro-batch accumulate() is feeding
         self._warned_unmatched = False
         self._forward_ran = False  # a prepared model ran forward with autograd: backward has a loss of ours
+        self._first_forward: list[RemovableHandle] = []  # one process: the hooks that watch for that forward
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._trains: dict[int, set[int]] = {}  # a prepared optimizer (by id) -> the model parameters it trains
         self._handles: list[RemovableHandle] = []
@@ -199,6 +200,8 @@ class Parallel:
             wrapped = self.strategy.wrap_model(obj)
             if self.world_size > 1:  # in one process every loss weighs 1: nothing to find out per forward
                 self._handles.append(wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True))
+            elif not self._forward_ran:  # one process: only the first forward is watched (backward's check)
+                self._first_forward.append(wrapped.register_forward_pre_hook(self._note_first_forward))
             self._handles += self.precision.attach(wrapped)
             return wrapped
         if isinstance(obj, torch.optim.Optimizer):
@@ -218,6 +221,14 @@ class Parallel:
         )
 
     # -- the step ---------------------------------------------------------------------------------------------
+
+    def _note_first_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """In one process: a prepared model ran forward with autograd; the hooks go, so later steps cost nothing."""
+        if torch.is_grad_enabled():
+            self._forward_ran = True
+            for handle in self._first_forward:
+                handle.remove()
+            self._first_forward.clear()
 
     def _bind_share(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A prepared model's forward: the next backward weighs its loss by the share of the batch fed here.
@@ -465,9 +476,10 @@ class Parallel:
 
         ``clean=False`` (leaving on an error) skips waiting for the other processes.
         """
-        for handle in self._handles:
+        for handle in (*self._handles, *self._first_forward):
             handle.remove()
         self._handles.clear()
+        self._first_forward.clear()
         self.strategy.teardown(clean)
 
     def __enter__(self) -> Parallel:
