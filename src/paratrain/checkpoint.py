@@ -374,15 +374,23 @@ def _previous_checkpoint(path: Path) -> Path | None:
     for candidate in reversed(others):
         try:
             if candidate.is_dir():
-                from .shard_checkpoint import verify_sharded  # it builds on this module
-
-                verify_sharded(candidate)
+                _check_sharded_files(candidate)
             else:
                 load_checkpoint(candidate)
         except CheckpointError:
             continue
         return candidate
     return None
+
+
+def _check_sharded_files(directory: Path) -> None:
+    """A sharded checkpoint's index verifies and its files are the sizes it lists (the slices' digests are checked
+    as they are read: :mod:`paratrain.shard_checkpoint` builds on this module, not the other way round)."""
+    index = load_checkpoint(directory / "index.pt")
+    for name, size in dict(index.get("files") or {}).items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {directory}: {name} is missing or not the {size} bytes its index says")
 
 
 def _os_error_in(err: BaseException) -> OSError | None:
