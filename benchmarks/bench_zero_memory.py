@@ -1,6 +1,6 @@
 """How many bytes of model state does each rank hold under ddp, zero1 and zero2, against the ZeRO formula?
 
-    python benchmarks/bench_zero_memory.py                 # N = 1..4 ranks over gloo, the 10M MLP and a 54M one
+    python benchmarks/bench_zero_memory.py                 # N = 1..4 ranks over gloo, the 10M MLP and a 53.6M one
     python benchmarks/bench_zero_memory.py --quick         # the 10M MLP at N = 1, 2 only: a smoke run
 
 In every rank, for each strategy in turn (the same processes, the same model and data): fp32 AdamW, one training
@@ -44,7 +44,7 @@ BYTES_PER_PARAM = {  # (whole, divided by N): fp32 weights 4, gradients 4, AdamW
 }
 MODELS = {  # name: (input width, hidden width, hidden layers)
     "mlp 10M": (784, 2048, 3),
-    "mlp 54M": (784, 4096, 4),
+    "mlp 53.6M": (784, 4096, 4),
 }
 
 
@@ -62,7 +62,8 @@ def held_bytes() -> int:
     gc.collect()
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+        # type(), not isinstance(): isinstance reads __class__, which some lazy module objects warn about
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
             storage = obj.untyped_storage()
             if storage.nbytes():
                 storages[storage.data_ptr()] = storage.nbytes()
