@@ -77,7 +77,7 @@ def test_whole_gradients_gathered_and_an_overflow_in_one_shard_skips_every_rank(
         assert r["zero2_scale"] == r["ddp_scale"] and r["zero2_after"] == r["ddp_after"]
 
 
-def test_a_zero2_checkpoint_continues_under_zero1_ddp_and_single(two):
+def test_a_zero2_checkpoint_continues_under_zero1_ddp_single_and_zero2(two):
     assert two[0]["checkpoints"]["written"].endswith("epoch-0000-step-000002")
     assert two[1]["checkpoints"]["written"] is None
     for rank in two:
@@ -86,6 +86,13 @@ def test_a_zero2_checkpoint_continues_under_zero1_ddp_and_single(two):
         for strategy in ("zero1", "zero2", "ddp"):
             assert r[f"{strategy}_step"] == 2 and r[f"{strategy}_bitwise"], strategy
         assert r["single_rel"] < 1e-5  # one device sums the batch in another order
+
+
+def test_a_ddp_checkpoint_continues_under_zero1_and_zero2(two):
+    for rank in two:
+        r = rank["checkpoints"]
+        assert r["from_ddp_file"]  # one file, written by rank 0
+        assert r["from_ddp_zero1_bitwise"] and r["from_ddp_zero2_bitwise"]
 
 
 def test_three_ranks_zero1_bitwise_zero2_within_float32_rounding(three):

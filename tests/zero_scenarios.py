@@ -237,17 +237,19 @@ def _overflow_first_element(grad: torch.Tensor) -> torch.Tensor:
 
 
 def checkpoints(rank: int, world: int, directory: str) -> dict[str, Any]:
-    """A zero2 checkpoint written by every rank; loaded under zero1, ddp and single, each continuing exactly."""
+    """A zero2 checkpoint written by every rank, loaded under zero1, ddp, single and zero2; and a ddp checkpoint (one
+    file) loaded under zero1 and zero2: each continuing exactly as the run that never stopped."""
     found: dict[str, Any] = {}
     data = batches(4)
-    path = Path(directory) / "epoch-0000-step-000002.pt"
+    sharded = Path(directory) / "epoch-0000-step-000002.pt"
+    whole = Path(directory) / "ddp-step-2.pt"
 
-    def run(strategy: str, steps: range, load: bool, save: bool) -> torch.Tensor:
+    def run(strategy: str, steps: range, load: Path | None, save: Path | None) -> torch.Tensor:
         with paratrain.Parallel(strategy, "cpu") as par:
             net = model()
             net, opt = par.prepare(net, optimizer_for("adamw", net))
-            if load:
-                rest = par.load(path, into={"optimizer": opt})
+            if load is not None:
+                rest = par.load(load, into={"optimizer": opt})
                 par.unwrap(net).load_state_dict(rest["model"])
                 found[f"{strategy}_step"] = rest["step"]
             for i, (x, y) in enumerate(par.prepare(data)):  # this rank's share of every global batch
@@ -255,19 +257,25 @@ def checkpoints(rank: int, world: int, directory: str) -> dict[str, Any]:
                     par.backward(F.cross_entropy(net(x), y))
                     opt.step()
                     opt.zero_grad()
-            if save:
-                written = par.save({"model": net, "optimizer": opt, "step": 2}, path)
-                found["written"] = str(written) if written is not None else None
+            if save is not None:
+                written = par.save({"model": net, "optimizer": opt, "step": 2}, save)
+                found[f"{strategy}_written"] = str(written) if written is not None else None
             return flat_params(par, net)
 
-    run("zero2", range(2), load=False, save=True)
-    found["sharded"] = is_sharded_checkpoint(path.with_suffix(""))
-    found["files"] = sorted(f.name for f in path.with_suffix("").iterdir())
-    uninterrupted = run("zero2", range(4), load=False, save=False)
+    run("zero2", range(2), load=None, save=sharded)
+    found["written"] = found.pop("zero2_written")
+    found["sharded"] = is_sharded_checkpoint(sharded.with_suffix(""))
+    found["files"] = sorted(f.name for f in sharded.with_suffix("").iterdir())
+    uninterrupted = run("zero2", range(4), load=None, save=None)
     for strategy in ("zero1", "ddp", "single", "zero2"):
-        resumed = run(strategy, range(2, 4), load=True, save=False)
+        resumed = run(strategy, range(2, 4), load=sharded, save=None)
         found[f"{strategy}_bitwise"] = torch.equal(resumed, uninterrupted)
         found[f"{strategy}_rel"] = _relative(resumed, uninterrupted)
+    run("ddp", range(2), load=None, save=whole)
+    found["from_ddp_file"] = whole.is_file() and not is_sharded_checkpoint(whole.with_suffix(""))
+    for strategy in ("zero1", "zero2"):  # the oracle: the run above that never stopped (zero at 2 ranks is ddp's)
+        resumed = run(strategy, range(2, 4), load=whole, save=None)
+        found[f"from_ddp_{strategy}_bitwise"] = torch.equal(resumed, uninterrupted)
     return found
 
 
