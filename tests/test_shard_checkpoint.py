@@ -237,3 +237,18 @@ def test_listing_pruning_and_loading_know_sharded_checkpoints(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["epoch-0000-step-000015"]
     with pytest.raises(CheckpointError, match=r"is a sharded checkpoint .*`paratrain checkpoint consolidate"):
         load_checkpoint(tmp_path / "epoch-0000-step-000015")
+
+
+def test_consolidate_writes_the_state_one_process_saves(tmp_path):
+    from paratrain.consolidate import consolidate
+
+    whole = _whole()
+    path = _save_as(3, tmp_path, "epoch-0003-step-000100", whole)
+    written = consolidate(path, tmp_path / "model.pt")
+    assert _equal(torch.load(tmp_path / "model.pt", weights_only=True), whole["model"]) and _equal(
+        written, whole["model"]
+    )
+    consolidate(path, tmp_path / "all.pt", everything=True)
+    assert _equal(torch.load(tmp_path / "all.pt", weights_only=True), whole)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        consolidate(tmp_path / "missing", tmp_path / "x.pt")
