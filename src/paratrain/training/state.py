@@ -99,14 +99,15 @@ def restore(
         ConfigError: settings that cannot continue the checkpoint's run (each one named).
         CheckpointError: a checkpoint that is damaged, not paratrain train's, or does not fit the model.
     """
-    _check_continues(path, read_plain(path), config)  # the index (or the file) only: before any slice is read
     try:
         state = par.load(path, into={"optimizer": optimizer})
     except (ValueError, KeyError) as exc:
+        _check_continues(path, read_plain(path), config)  # another run's checkpoint explains it best
         raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit this model: {exc}") from exc
     for key in ("model", "epoch", "batch", "global_step", "config", "rng"):
         if key not in state:
             raise CheckpointError(f"checkpoint {path} has no {key!r} entry; it was not written by paratrain train")
+    _check_continues(path, state, config)
     check_compatible(par.unwrap(model).state_dict(), state["model"])
     par.unwrap(model).load_state_dict(state["model"])
     restore_scheduler(scheduler, state.get("scheduler"), f"checkpoint {path}")
