@@ -133,7 +133,10 @@ class PlanReport:
         if self.memory:
             limit = self.settings.get("device_memory")
             lines += ["", *render_memory(self.memory, parse_bytes(limit) if limit else None)]
-            lines.append("  step times above are ddp's; zero1 and zero2 run within a few percent of it on this machine")
+            lines.append(
+                "  step times above are ddp's; zero1 and zero2 are not modelled (measure them with bench --configs "
+                "zero1:N zero2:N)"
+            )
         lines.append("")
         lines.append(self.verdict())
         if self.validation:
