@@ -24,7 +24,7 @@ def bench_run(tmp_path_factory):
         "bench",
         *("--model", "mlp", "--width", "16", "--depth", "1", "--input-shape", "6", "--num-classes", "3"),
         *("--batch-size", "12", "--warmup", "1", "--steps", "3", "--repeats", "1"),
-        *("--configs", "dp:cpu,cpu", "ddp:2", GPU_DP, "--report-out", str(out)),
+        *("--configs", "dp:cpu,cpu", "ddp:2", "zero2:2", GPU_DP, "--report-out", str(out)),
         env={"OMP_NUM_THREADS": "1"},
     )
     return result, out
@@ -39,6 +39,7 @@ def test_every_configuration_is_measured_against_single(bench_run):
     assert list(timings)[:2] == ["single", "dp:cpu,cpu"]  # single added as the baseline
     assert any("single was added" in note for note in report["notes"])
     assert timings["single"]["speedup"] == 1.0 and timings["single"]["efficiency"] == 1.0
+    assert timings["zero2:2"]["status"] == "OK" and timings["zero2:2"]["devices"] == 2
     for word in ("single", "dp:cpu,cpu"):
         t = timings[word]
         assert t["status"] == "OK" and len(t["repeat_step_seconds"]) == 1
@@ -56,7 +57,7 @@ def test_markdown_and_plot_are_written_beside_the_json(bench_run):
     written = [str(out), str(out.with_suffix(".md"))] + ([str(out.with_suffix(".png"))] if plotting_available() else [])
     assert f"wrote {', '.join(written)}" in result.stdout  # every file, not only the JSON
     # the footnote gives each ddp configuration's threads, as a number
-    assert "(ddp:2: 1 thread each)" in result.stdout and "//" not in result.stdout
+    assert "(ddp:2: 1 thread each, zero2:2: 1 thread each)" in result.stdout and "//" not in result.stdout
     markdown = out.with_suffix(".md").read_text()
     assert markdown.startswith("| configuration | devices | step ms |") and "| dp:cpu,cpu | 2 |" in markdown
     png = out.with_suffix(".png")

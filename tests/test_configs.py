@@ -18,6 +18,8 @@ NO_GPU = not torch.cuda.is_available()
         ("dp:cuda:0,cuda:1", "dp", ("cuda:0", "cuda:1"), 1, "dp:cuda:0,cuda:1"),
         ("dp:0,1", "dp", ("cuda:0", "cuda:1"), 1, "dp:cuda:0,cuda:1"),
         ("ddp:3", "ddp", (), 3, "ddp:3"),
+        ("zero1:2", "zero1", (), 2, "zero1:2"),
+        ("zero2:04", "zero2", (), 4, "zero2:4"),
         ("single:cpu", "single", ("cpu",), 1, "single:cpu"),
     ],
 )
@@ -29,7 +31,8 @@ def test_words(word, strategy, devices, processes, canonical):
         processes,
         canonical,
     )
-    assert config.device_count == (processes if strategy == "ddp" else len(devices))
+    assert config.device_count == (processes if strategy in ("ddp", "zero1", "zero2") else len(devices))
+    assert config.in_process == (strategy in ("single", "dp"))
 
 
 @pytest.mark.parametrize(
@@ -40,6 +43,8 @@ def test_words(word, strategy, devices, processes, canonical):
         ("dp:cpu,cuda:0", "all be GPUs or all be the CPU"),
         ("ddp:0", "N >= 1"),
         ("ddp:two", "N >= 1"),
+        ("zero2:0", "zero2:N takes a number of processes N >= 1"),
+        ("zero3:2", "unknown configuration"),
         ("single:cpu,cpu", "single runs on one device"),
         ("fsdp:2", "unknown configuration"),
     ],

@@ -25,7 +25,7 @@ def test_plan_predicts_every_world_size_with_measured_inputs(tmp_path):
     out = tmp_path / "plan.json"
     result = run_cli(
         "plan",
-        *_flags({**TINY, "max_world_size": 2, "steps": 3, "warmup": 1, "report_out": out}),
+        *_flags({**TINY, "max_world_size": 2, "steps": 3, "warmup": 1, "report_out": out, "device_memory": "1GB"}),
         env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -46,6 +46,11 @@ def test_plan_predicts_every_world_size_with_measured_inputs(tmp_path):
         assert report["recommended_world_size"] is None and "no recommendation: " in result.stdout
     assert "assumptions:" in result.stdout and "recommendation:" in result.stdout
     assert any("share this machine's" in a for a in report["assumptions"])
+    # the memory per device of ddp, zero1 and zero2 at each N, and the fewest devices each fits on
+    assert {(r["strategy"], r["world_size"]) for r in report["memory"]} == {
+        (s, n) for s in ("ddp", "zero1", "zero2") for n in (1, 2)
+    }
+    assert report["fewest_devices"] == {"ddp": 1, "zero1": 1, "zero2": 1}  # a tiny model fits in 1GB anywhere
 
 
 def test_several_machines_use_the_link_given_and_validation_compares_with_bench():

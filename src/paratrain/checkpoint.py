@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,7 +55,8 @@ FORMAT = "paratrain-checkpoint"
 FORMAT_VERSION = 2  # 2: a digest of the state is written with it and checked on load
 
 _MARKER_KEYS = ("format", "format_version", "digest")
-_NAME_PATTERN = re.compile(r"epoch-(\d+)-step-(\d+)\.pt")
+# a file, or a sharded checkpoint's directory (paratrain.shard_checkpoint): the same name without .pt
+_NAME_PATTERN = re.compile(r"epoch-(\d+)-step-(\d+)(\.pt)?")
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save has written zip archives since torch 1.6
 
 # What torch.load(weights_only=True) accepts, checked by exact type: numpy.float64 subclasses float and
@@ -203,6 +205,11 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
             "Pass an existing file, or use latest_checkpoint(directory) to find the newest one."
         )
     if path.is_dir():
+        if (path / "index.pt").is_file():
+            raise CheckpointError(
+                f"checkpoint {path} is a sharded checkpoint (a directory of slices): load it with Parallel.load, or "
+                f"write it as one file with `paratrain checkpoint consolidate {path} OUT.pt`"
+            )
         raise CheckpointError(
             f"checkpoint {path} is a directory, expected a file; use latest_checkpoint({str(path)!r}) to pick one"
         )
@@ -267,8 +274,9 @@ def _damaged(path: Path) -> str:
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """The checkpoints in ``directory``, oldest to newest by the ``(epoch, step)`` in their names.
 
-    Only names made by :func:`checkpoint_name` count; temporary files and anything else are ignored.
-    A directory that does not exist yet holds no checkpoints.
+    Only names made by :func:`checkpoint_name` count: files, and sharded checkpoints (directories of that name
+    without ``.pt``, holding an ``index.pt``); temporary files and anything else are ignored. A directory that does
+    not exist yet holds no checkpoints.
     """
     directory = Path(directory)
     if not directory.exists():
@@ -278,7 +286,8 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     found = []
     for entry in directory.iterdir():
         match = _NAME_PATTERN.fullmatch(entry.name)
-        if match and entry.is_file():
+        sharded = match is not None and not match[3] and (entry / "index.pt").is_file()
+        if match and ((match[3] and entry.is_file()) or sharded):
             found.append(((int(match[1]), int(match[2]), entry.name), entry))
     return [entry for _, entry in sorted(found)]
 
@@ -298,7 +307,10 @@ def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
     doomed = list_checkpoints(directory)[:-keep]
     for path in doomed:
         try:
-            path.unlink(missing_ok=True)  # missing_ok: another process may have pruned it already
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)  # missing_ok: another process may have pruned it already
         except OSError as err:
             raise CheckpointError(f"could not delete old checkpoint {path}: {_describe_os_error(err)}") from err
     return doomed
@@ -361,11 +373,24 @@ def _previous_checkpoint(path: Path) -> Path | None:
         others = others[: names.index(path.name)]
     for candidate in reversed(others):
         try:
-            load_checkpoint(candidate)
+            if candidate.is_dir():
+                _check_sharded_files(candidate)
+            else:
+                load_checkpoint(candidate)
         except CheckpointError:
             continue
         return candidate
     return None
+
+
+def _check_sharded_files(directory: Path) -> None:
+    """A sharded checkpoint's index verifies and its files are the sizes it lists (the slices' digests are checked
+    as they are read: :mod:`paratrain.shard_checkpoint` builds on this module, not the other way round)."""
+    index = load_checkpoint(directory / "index.pt")
+    for name, size in dict(index.get("files") or {}).items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {directory}: {name} is missing or not the {size} bytes its index says")
 
 
 def _os_error_in(err: BaseException) -> OSError | None:

@@ -191,9 +191,18 @@ class DistributedDataParallel(nn.Module):
             for name, p in self.module.named_parameters()
             if p.requires_grad and name not in self.parameters_to_ignore
         ]
-        self.reducer = Reducer(
-            [p for _, p in named],
-            [name for name, _ in named],
+        self.reducer = self._make_reducer([p for _, p in named], [name for name, _ in named])
+        ref = weakref.ref(self.reducer)
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(lambda param, i=i: _on_grad(ref, i, param))
+            for i, (_, p) in enumerate(named)
+        ]
+
+    def _make_reducer(self, params: list[nn.Parameter], names: list[str]) -> Reducer:
+        """What averages the gradients of ``params`` (the sharded wrappers put a reduce-scatter here)."""
+        return Reducer(
+            params,
+            names,
             group=self.process_group,
             monitor=self.monitor,
             bucket_cap_bytes=self._bucket_cap_bytes,
@@ -202,11 +211,6 @@ class DistributedDataParallel(nn.Module):
             static_graph=self.static_graph,
             overlap=self._overlap,
         )
-        ref = weakref.ref(self.reducer)
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(lambda param, i=i: _on_grad(ref, i, param))
-            for i, (_, p) in enumerate(named)
-        ]
 
     @property
     def broadcast_buffers(self) -> bool:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .accumulation import check_steps, cut, micro_sizes, samples_in
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint_io import load_state, save_state
 from .devices import DeviceLike
 from .environment import ClusterEnvironment
 from .errors import ConfigError
@@ -122,6 +122,7 @@ class Parallel:
         self._forward_ran = False  # a prepared model ran forward with autograd: backward has a loss of ours
         self._first_forward: list[RemovableHandle] = []  # one process: the hooks that watch for that forward
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._trains: dict[int, set[int]] = {}  # a prepared optimizer (by id) -> the model parameters it trains
         self._handles: list[RemovableHandle] = []
         self._no_sync_depth = 0
         self._local_grads = False  # the latest backward ran inside no_sync: gradients are this process's own
@@ -204,9 +205,13 @@ class Parallel:
             self._handles += self.precision.attach(wrapped)
             return wrapped
         if isinstance(obj, torch.optim.Optimizer):
-            self._optimizers.append(weakref.ref(obj))
-            self._handles.append(obj.register_step_pre_hook(self._before_step))
-            return obj  # parameters moved in place by .to(), so the optimizer still holds the right ones
+            # parameters moved in place by .to(), so the optimizer still holds the right ones; a sharded strategy
+            # returns one of the same class over this process's shard
+            prepared = self.strategy.wrap_optimizer(obj)
+            self._optimizers.append(weakref.ref(prepared))
+            self._trains[id(prepared)] = {id(p) for p in _params_of(obj)}
+            self._handles.append(prepared.register_step_pre_hook(self._before_step))
+            return prepared
         if isinstance(obj, Iterable):
             loader = prepare_loader(obj, self.strategy, self._ledger)
             self._loaders.append(weakref.ref(loader))
@@ -357,7 +362,7 @@ class Parallel:
         module = self.unwrap(model)
         if self.precision.scaled:
             params = {id(p) for p in module.parameters()}
-            holding = [opt for opt in self._live_optimizers() if any(id(p) in params for p in _params_of(opt))]
+            holding = [opt for opt in self._live_optimizers() if params & self._trains.get(id(opt), set())]
             if not holding:
                 raise ConfigError(
                     f"clip_grad_norm_() under precision {self.precision.name!r} unscales the gradients first, "
@@ -366,6 +371,15 @@ class Parallel:
                 )
             self.precision.unscale(holding)
         return self.strategy.clip_grad_norm_(module, max_norm, norm_type)
+
+    def gradients(self, model: nn.Module) -> list[torch.Tensor | None]:
+        """Every parameter's synchronised gradient, whole, in ``parameters()`` order (None where there is none).
+
+        Under single, dp and ddp, each ``.grad``; under zero2 no process holds a whole gradient, so they are
+        gathered from every process's shard (a collective: call it in every process), for checks such as
+        ``paratrain verify``.
+        """
+        return self.strategy.gradients(model)
 
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` for each, through the precision: False when the step was skipped.
@@ -435,15 +449,27 @@ class Parallel:
         return self.strategy.unwrap(model)
 
     def save(self, state: dict[str, Any], path: str | Path) -> Path | None:
-        """Write a training state atomically, from the main process only; every process waits for it."""
-        target = Path(path)
-        written = save_checkpoint(state, target.parent, target.name) if self.is_main else None
-        self.barrier()
-        return written
+        """Write a training state atomically; every process calls it and waits for it.
 
-    def load(self, path: str | Path) -> dict[str, Any]:
-        """Read a training state written by :meth:`save`, tensors mapped onto this process's device."""
-        return load_checkpoint(path, map_location=self.device)
+        Values that are prepared models or optimizers are saved as the strategy holds them: their state dicts
+        (written by the main process), or under ``zero1``/``zero2`` each process's slices of them, written by
+        each process into a sharded checkpoint: the directory ``path`` without ``.pt``
+        (:mod:`paratrain.shard_checkpoint`). Either loads under any strategy and number of processes. Returns the
+        path written, in the main process.
+        """
+        return save_state(self.strategy, state, path)
+
+    def load(self, path: str | Path, into: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Read a training state written by :meth:`save` (a file or a sharded checkpoint) onto :attr:`device`.
+
+        ``into`` maps keys of the state to prepared models and optimizers, which are loaded from it in place
+        (under a sharded strategy an optimizer reads only the slices of its own shard) and left out of the
+        returned dict; every other value is returned whole.
+
+        Raises:
+            CheckpointError: the checkpoint is missing, damaged, or has no entry for a key of ``into``.
+        """
+        return load_state(self.strategy, path, into)
 
     def close(self, clean: bool = True) -> None:
         """Release the strategy's resources (threads, process groups).

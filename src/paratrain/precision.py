@@ -141,14 +141,27 @@ class HalfMixed(MixedPrecision):
         for optimizer in optimizers:
             if id(optimizer) not in self._unscaled:
                 self.scaler.unscale_(optimizer)  # also records whether its gradients are finite
+                self._agree(optimizer)
                 self._unscaled.add(id(optimizer))
+
+    def _agree(self, optimizer: torch.optim.Optimizer) -> None:
+        """A sharded optimizer saw only its process's gradients: make the inf/nan finding every process's.
+
+        HACK: the scaler keeps its findings per optimizer in ``_per_optimizer_states`` (private, stable since
+        torch 1.6); tests/test_zero.py checks that a step overflowing on one rank's shard is skipped on all.
+        """
+        agree = getattr(optimizer, "agree_found_inf", None)
+        if agree is not None:
+            agree(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
 
     def step(self, optimizers: Iterable[torch.optim.Optimizer]) -> bool:
         # every optimizer steps on the same scale; the scale then changes once (several optimizers per step
         # must come in one call)
         before = self.scaler.get_scale()
+        optimizers = list(optimizers)
+        self.unscale(optimizers)  # here, not inside scaler.step: a sharded optimizer's finding is made global
         for optimizer in optimizers:
-            self.scaler.step(optimizer)  # unscales unless done, skips the step when a gradient is inf/nan
+            self.scaler.step(optimizer)  # skips the step when a gradient is inf/nan
         self.scaler.update()  # backs the scale off after a skipped step, grows it after a run of good ones
         self._unscaled.clear()
         # update() lowers the scale exactly when some optimizer found an inf/nan gradient: the step was skipped

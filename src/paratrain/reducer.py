@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -75,14 +75,15 @@ class Reducer:
         # join(divide_by_initial_world_size=False) the ranks active in this iteration
         self.divisor = self.world_size
         self.buckets: list[Bucket] = assign_buckets(self.params, bucket_cap_bytes)
-        self.buffers = [torch.zeros(b.numel, dtype=b.dtype, device=b.device) for b in self.buckets]
         self.bucket_of = [0] * len(self.params)
-        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
         for b, bucket in enumerate(self.buckets):
-            for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
-                p = self.params[i]
+            for i in bucket.indices:
                 self.bucket_of[i] = b
-                self.views[i] = self.buffers[b].narrow(0, offset, p.numel()).view_as(p)
+        # each bucket's flat buffer, and each parameter's slot in it shaped like the parameter
+        self.buffers: list[torch.Tensor] = [torch.empty(0)] * len(self.buckets)
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
+        for b in range(len(self.buckets)):
+            self._allocate(b)
         # which parameters got a gradient on this rank since the last synchronisation, summed across ranks
         self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self._control_device())
         self._used_since_sync = [False] * len(self.params)
@@ -96,6 +97,7 @@ class Reducer:
         self.hook_state: Any = group
         self.state = _IDLE
         self.synchronised_steps = 0  # backwards that averaged gradients: static_graph can no longer be turned on
+        self.on_synchronised: Callable[[], None] | None = None  # called when a backward's gradients are reduced
         self._retired: list[Any] = []  # the last step's handles (see _retire)
         self._extra: list[Any] = []  # this step's handles outside the buckets (the unused-parameter map)
         self._reset()
@@ -110,6 +112,15 @@ class Reducer:
         self._absent: list[int] = []  # parameters to mark ready without a gradient, at this backward's first hook
         if self.static_graph:
             self._calls = [0] * len(self.params)
+
+    def _allocate(self, b: int, numel: int | None = None) -> None:
+        """Give bucket ``b`` a zeroed buffer (of ``numel`` elements: at least the bucket's), and its views."""
+        bucket = self.buckets[b]
+        size = bucket.numel if numel is None else numel
+        self.buffers[b] = buffer = torch.zeros(size, dtype=bucket.dtype, device=bucket.device)
+        for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+            p = self.params[i]
+            self.views[i] = buffer.narrow(0, offset, p.numel()).view_as(p)
 
     def _control_device(self) -> torch.device:
         return self.buckets[0].device if self.buckets else torch.device("cpu")
@@ -320,6 +331,8 @@ class Reducer:
             if self.track_used:
                 self._used_since_sync = [False] * len(self.params)
             self.synchronised_steps += 1
+            if self.on_synchronised is not None:
+                self.on_synchronised()
         finally:
             self.state = _IDLE
             self._callback_queued = False

@@ -7,6 +7,7 @@ paratrain demo --devices cpu,cpu,cpu      # the DataParallel tutorial's demo: ho
 paratrain verify                          # does every configuration train like one device?
 paratrain bench                           # how much faster is each configuration?
 paratrain plan --max-world-size 8         # how much faster will N devices be?
+paratrain checkpoint consolidate DIR OUT.pt   # a (sharded) checkpoint as one plain torch file
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import NoReturn
 
 from ..errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
 from ..version import __version__
+from .checkpoint import add_checkpoint_parser
 from .demo import add_demo_parser
 from .env import add_env_parser
 from .launch import add_launch_parser
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_parser(commands)
     add_demo_parser(commands)
     add_tool_parsers(commands)
+    add_checkpoint_parser(commands)
     return parser
 
 

@@ -12,6 +12,9 @@ strategy = select_strategy("single", "cuda:1")
    told to start through ``paratrain launch`` (or to ask for ``dp`` explicitly);
 3. an explicit list of several devices (``cpu,cpu,cpu``, ``cuda:0,cuda:1``): ``dp``, in this process;
 4. otherwise (one GPU, or the CPU): ``single``.
+
+``zero1`` and ``zero2`` (sharded data parallel, :mod:`paratrain.strategies.zero`) run like ``ddp``, one process
+per device under a launcher, and are chosen by name only.
 """
 
 from __future__ import annotations
@@ -27,21 +30,32 @@ from .base import ReduceOp, Strategy
 from .ddp import DDP_DEVICES, DistributedStrategy
 from .dp import DataParallelStrategy
 from .single import SingleDevice
+from .zero import Zero1Strategy, Zero2Strategy, ZeroStrategy
 
 __all__ = [
+    "PROCESS_STRATEGIES",
     "STRATEGY_NAMES",
     "DataParallelStrategy",
     "DistributedStrategy",
     "ReduceOp",
     "SingleDevice",
     "Strategy",
+    "Zero1Strategy",
+    "Zero2Strategy",
+    "ZeroStrategy",
     "check_ddp_devices",
     "resolve_devices",
     "resolve_strategy",
     "select_strategy",
 ]
 
-STRATEGY_NAMES = ("auto", "single", "dp", "ddp")
+STRATEGY_NAMES = ("auto", "single", "dp", "ddp", "zero1", "zero2")
+PROCESS_STRATEGIES = ("ddp", "zero1", "zero2")  # one process per device, started by a launcher
+_BY_NAME: dict[str, type[DistributedStrategy]] = {
+    "ddp": DistributedStrategy,
+    "zero1": Zero1Strategy,
+    "zero2": Zero2Strategy,
+}
 
 Devices = str | Sequence[DeviceLike] | None
 
@@ -83,16 +97,17 @@ def _means_every_gpu(devices: Devices) -> bool:
     return devices is None or (isinstance(devices, str) and devices.strip() in ("auto", "cuda"))
 
 
-def check_ddp_devices(devices: Devices, flag: str = "devices") -> str:
-    """The device type ddp's processes use (``auto``, ``cpu`` or ``cuda``): the one rule, for every caller.
+def check_ddp_devices(devices: Devices, flag: str = "devices", strategy_name: str = "ddp") -> str:
+    """The device type ddp's (or zero1's, zero2's) processes use (``auto``, ``cpu`` or ``cuda``): the one rule.
 
     Raises:
-        ConfigError: a list of devices (each ddp process uses one: its local rank's GPU, or the CPU).
+        ConfigError: a list of devices (each process uses one: its local rank's GPU, or the CPU).
     """
     device_type = devices.strip() if isinstance(devices, str) else None
     if device_type not in DDP_DEVICES:
         cli = flag.startswith("--")  # the command line's words, or the Python API's
-        strategy, dp = ("--strategy ddp", "--strategy dp") if cli else ("strategy 'ddp'", "strategy='dp'")
+        named = strategy_name
+        strategy, dp = (f"--strategy {named}", "--strategy dp") if cli else (f"strategy {named!r}", "strategy='dp'")
         raise ConfigError(
             f"{strategy} runs one process per device and takes {flag} {', '.join(DDP_DEVICES)} (each process uses "
             f"its local rank's GPU, or the CPU); found {devices!r}. For a list of devices in one process use {dp}; "
@@ -122,15 +137,15 @@ def select_strategy(
     """
     env = environment if environment is not None else ClusterEnvironment.detect()
     resolved = resolve_strategy(name, devices, env)
-    if resolved == "ddp":
+    if resolved in PROCESS_STRATEGIES:
         if name == "auto" and not env.launched:
             raise ConfigError(
                 f"strategy 'auto' chose ddp because {len(visible_gpus())} GPUs are visible, and ddp runs one "
                 f"process per GPU: start this script with `paratrain launch script.py` (or torchrun), or pass "
                 f"strategy='dp' to use them all from this process, or devices='cuda:0' for one"
             )
-        device_type = check_ddp_devices(devices)
-        return DistributedStrategy(
+        device_type = check_ddp_devices(devices, strategy_name=resolved)
+        return _BY_NAME[resolved](
             device_type,
             environment=env,
             hang_report=hang_report,
@@ -138,8 +153,8 @@ def select_strategy(
         )
     if timeout is not None and name != "auto":
         raise ConfigError(
-            f"timeout is for strategy 'ddp' (how long a collective waits for the other processes); strategy "
-            f"{resolved!r} runs in one process and has no collectives: drop timeout"
+            f"timeout is for strategy 'ddp' (and zero1, zero2: how long a collective waits for the other "
+            f"processes); strategy {resolved!r} runs in one process and has no collectives: drop timeout"
         )
     chosen = resolve_devices(devices)
     if resolved == "single":

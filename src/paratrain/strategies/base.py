@@ -11,13 +11,14 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from ..environment import ClusterEnvironment
 from ..errors import ConfigError
+from ..shard_checkpoint import materialize
 
 __all__ = ["ReduceOp", "Strategy"]
 
@@ -89,6 +90,26 @@ class Strategy(ABC):
     def prepared(self, model: nn.Module) -> bool:
         """True for a model :meth:`wrap_model` returned (or the user's model inside it)."""
         return model in self._wrapped or any(model is inner for inner in self._wrapped.values())
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer a loop steps: ``optimizer`` itself, or under a sharded strategy one over this rank's shard."""
+        return optimizer
+
+    def gradients(self, model: nn.Module) -> list[torch.Tensor | None]:
+        """Every parameter's synchronised gradient, whole, in ``parameters()`` order (for checks: may gather)."""
+        return [p.grad for p in self.unwrap(model).parameters()]
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """What a checkpoint holds of ``model``: its state dict (a sharded strategy: this rank's slices)."""
+        return self.unwrap(model).state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What a checkpoint holds of ``optimizer``: torch's state dict, indexed as the user's optimizer."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a checkpoint's optimizer state, written under any strategy and world size."""
+        optimizer.load_state_dict(materialize(state))
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:
         """This process's part of a global batch of sample indices (all of it in one process)."""

@@ -22,6 +22,7 @@ from ..distributed import DistributedDataParallel
 from ..environment import ClusterEnvironment
 from ..errors import ConfigError
 from ..flight_recorder import small_buffer_unless_set
+from ..grad_norm import clip_with_norm, norm_terms
 from ..scatter_gather import shard
 from .base import ReduceOp, Strategy
 
@@ -84,9 +85,9 @@ class DistributedStrategy(Strategy):
             env = self.environment
             if not env.launched:
                 raise ConfigError(
-                    "strategy 'ddp' runs one process per device, started by a launcher: "
-                    "`paratrain launch --nproc-per-node N script.py` (or torchrun), or "
-                    "`paratrain train --strategy ddp --nproc-per-node N`"
+                    f"strategy {self.name!r} runs one process per device, started by a launcher: "
+                    f"`paratrain launch --nproc-per-node N script.py` (or torchrun), or "
+                    f"`paratrain train --strategy {self.name} --nproc-per-node N`"
                 )
             use_cuda = self._device_type == "cuda" or (self._device_type == "auto" and torch.cuda.is_available())
             if use_cuda:
@@ -166,14 +167,28 @@ class DistributedStrategy(Strategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self._device)
         device_ids = [self._device] if self._device.type == "cuda" else None
+        # the buckets are the gradients (torch's gradient_as_bucket_view): one copy of them, not two, as the
+        # sharded strategies keep them too (docs/sharding.md's memory table)
         wrapped = DistributedDataParallel(
-            model, device_ids=device_ids, timeout=self._timeout, hang_report=self._hang_report
+            model,
+            device_ids=device_ids,
+            gradient_as_bucket_view=True,
+            timeout=self._timeout,
+            hang_report=self._hang_report,
         )
         self._ddp.append(wrapped)
         return wrapped
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:
         return shard(indices, self.rank, self.world_size)
+
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the synchronised gradient; its norm summed in float64, so the sharded strategies' norm, summed from
+        every rank's pieces, is the same float32 number."""
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        terms = norm_terms(grads, float(norm_type), self._device)
+        dtype = grads[0].dtype if grads else torch.float32
+        return clip_with_norm(terms, grads, max_norm, float(norm_type), dtype)
 
     def loss_weight(self, local_samples: int, global_samples: int) -> float:
         # DDP divides the summed gradients by world_size; each rank's mean loss must count as its share

@@ -3,6 +3,7 @@
     paratrain bench                                             # every configuration this machine can run
     paratrain bench --model mlp --width 2048 --configs single ddp:2 --report-out bench.json
     paratrain bench --steps 50 --repeats 5 --markdown-out bench.md --plot-out bench.png
+    paratrain bench --model mlp --width 2048 --optimizer adamw --configs ddp:2 zero1:2 zero2:2
 
 Each configuration runs ``--warmup`` untimed steps, then ``--steps`` timed ones, and that ``--repeats`` times,
 round robin over the configurations (the order rotating each round) so that drift of a shared machine hits all of
@@ -267,17 +268,17 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
             t.speedup = base.step_seconds / t.step_seconds
             t.efficiency = t.speedup / t.devices
     cores = os.cpu_count() or 1
-    ddp = [c for c in runnable if c.strategy == "ddp"]
-    if ddp and not torch.cuda.is_available():
+    launched = [c for c in runnable if not c.in_process]
+    if launched and not torch.cuda.is_available():
         given = os.environ.get("OMP_NUM_THREADS")
         each = ", ".join(
             f"{c.word}: {n} thread{'s' * (n != 1)} each"
-            for c in ddp
+            for c in launched
             for n in [int(given) if given and given.isdigit() else max(1, cores // c.processes)]
         )
         notes.append(
-            f"on the CPU, ddp's processes share this machine's {cores} cores ({each}): they add no compute here, "
-            "only communication"
+            f"on the CPU, the processes of ddp (zero1, zero2) share this machine's {cores} cores ({each}): they add "
+            "no compute here, only communication"
         )
     if any(c.strategy == "dp" and "cpu" in c.devices for c in runnable):
         notes.append(
@@ -311,7 +312,7 @@ def _write_outputs(report: BenchReport, config: BenchConfig) -> None:
         single = next((t.samples_per_second for t in measured if t.strategy == "single"), None)
         series = {
             strategy: [(t.devices, t.samples_per_second, t.efficiency) for t in measured if t.strategy == strategy]
-            for strategy in ("dp", "ddp")
+            for strategy in ("dp", "ddp", "zero1", "zero2")
         }
         title = f"paratrain bench: {config.model}, global batch {config.batch_size}"
         plot_scaling(series, single, title, plot)

@@ -4,8 +4,9 @@ single                one device (cuda:0 on a GPU machine, else the CPU); single
 dp:cpu,cpu,cpu        paratrain's DataParallel over those devices, in this process
 dp:cuda:0,cuda:1
 ddp:2                 2 processes started through paratrain's launcher (one GPU each, or gloo on the CPU)
+zero1:2, zero2:3      as ddp:N, with the optimizer state (zero1) or also the gradients (zero2) sharded
 
-configs = parse_configs(["single", "dp:cpu,cpu", "ddp:2"])
+configs = parse_configs(["single", "dp:cpu,cpu", "ddp:2", "zero2:2"])
 why_not = unavailable_reason(configs[1])      # None when this machine can run it
 """
 
@@ -19,29 +20,38 @@ import torch
 from ..devices import visible_gpus
 from ..errors import ConfigError
 
-__all__ = ["MAX_DEFAULT_DEVICES", "RunConfig", "default_configs", "parse_config", "parse_configs", "unavailable_reason"]
+__all__ = [
+    "MAX_DEFAULT_DEVICES",
+    "PROCESSES",
+    "RunConfig",
+    "default_configs",
+    "parse_config",
+    "parse_configs",
+    "unavailable_reason",
+]
 
 MAX_DEFAULT_DEVICES = 3  # the default list stops at 3 devices: enough to see unequal shares and scaling
-_EXAMPLES = "single, dp:cpu,cpu,cpu, dp:cuda:0,cuda:1, ddp:2"
+_EXAMPLES = "single, dp:cpu,cpu,cpu, dp:cuda:0,cuda:1, ddp:2, zero1:2, zero2:2"
+PROCESSES = ("ddp", "zero1", "zero2")  # the configurations that run N processes
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One way of running: ``strategy`` with its ``devices`` (single, dp) or ``processes`` (ddp)."""
+    """One way of running: ``strategy`` with its ``devices`` (single, dp) or ``processes`` (ddp, zero1, zero2)."""
 
     word: str  # as the user wrote it, canonical: what reports show
-    strategy: str  # single, dp or ddp
+    strategy: str  # single, dp, ddp, zero1 or zero2
     devices: tuple[str, ...] = ()  # single and dp
-    processes: int = 1  # ddp
+    processes: int = 1  # ddp, zero1, zero2
 
     @property
     def device_count(self) -> int:
         """How many devices (replicas or processes) share each global batch."""
-        return self.processes if self.strategy == "ddp" else len(self.devices)
+        return self.processes if self.strategy in PROCESSES else len(self.devices)
 
     @property
     def in_process(self) -> bool:
-        return self.strategy != "ddp"
+        return self.strategy not in PROCESSES
 
 
 def _default_device() -> str:
@@ -65,10 +75,10 @@ def parse_config(word: str) -> RunConfig:
         if len(devices) < 2:
             raise ConfigError(f"configuration {word!r}: dp needs at least two devices, e.g. dp:cpu,cpu")
         return RunConfig(f"dp:{','.join(devices)}", "dp", tuple(devices))
-    if kind == "ddp" and rest:
+    if kind in PROCESSES and rest:
         if not rest.isdigit() or int(rest) < 1:
-            raise ConfigError(f"configuration {word!r}: ddp:N takes a number of processes N >= 1, e.g. ddp:2")
-        return RunConfig(f"ddp:{int(rest)}", "ddp", processes=int(rest))
+            raise ConfigError(f"configuration {word!r}: {kind}:N takes a number of processes N >= 1, e.g. {kind}:2")
+        return RunConfig(f"{kind}:{int(rest)}", kind, processes=int(rest))
     raise ConfigError(f"unknown configuration {word!r}; expected words such as {_EXAMPLES}")
 
 
@@ -129,7 +139,7 @@ def default_configs() -> list[RunConfig]:
 def unavailable_reason(config: RunConfig) -> str | None:
     """Why this machine cannot run ``config`` (None when it can)."""
     gpus = len(visible_gpus())
-    if config.strategy == "ddp":
+    if config.strategy in PROCESSES:
         # without GPUs every process runs on the CPU over gloo; with GPUs, one GPU per process
         if gpus and config.processes > gpus:
             return f"needs {config.processes} GPUs (one per process), {gpus} visible"

@@ -1,8 +1,9 @@
-"""``paratrain plan``: how fast will ddp be on N devices, before renting them?
+"""``paratrain plan``: how fast will ddp be on N devices, and will the model fit (ddp, zero1, zero2), before renting?
 
     paratrain plan                                        # SimpleNet, world sizes 1..8, on this machine
     paratrain plan --model mlp --width 2048 --max-world-size 4 --validate
     paratrain plan --per-node 8 --max-world-size 32 --link-bandwidth 12.5 --link-latency 2e-5   # 4 machines
+    paratrain plan --model mlp --width 8192 --optimizer adamw --device-memory 80GB   # will it fit, and on how many
 
 Everything it needs is measured here, on one device, in seconds: forward, backward and optimizer time at the
 per-device batch each N implies (the global ``--batch-size`` split N ways), when each gradient becomes ready
@@ -39,6 +40,7 @@ from .plan_measure import (
     read_link_file,
     threads_per_process,
 )
+from .plan_memory import check_bytes, measure_memory
 from .plan_model import (
     BucketSpec,
     Link,
@@ -90,6 +92,12 @@ class PlanConfig(TimingSettings, RunSettings):
         "all-reduce timings across machines written by `paratrain launch ... -m paratrain.tools.allreduce_probe "
         "FILE`, instead of --link-bandwidth/--link-latency",
         metavar="FILE.json",
+    )
+    device_memory: str | None = setting(
+        None,
+        "memory of each device (80GB, 24GiB): plan says the fewest devices ddp, zero1 and zero2 fit the model on",
+        check=check_bytes,
+        metavar="SIZE",
     )
     validate: bool = setting(False, "also run bench on what this machine can run and print the prediction error")
     max_error: float = setting(
@@ -249,6 +257,8 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         "load_average": load.load_average,
     }
     report = PlanReport(asdict(config), rows, recommended, assumptions, inputs, unreliable=unreliable)
+    sample = work.sample_batch(1)[0].to(device)
+    report.memory = measure_memory(model.to(device), sample, config.optimizer, config.momentum, per_device)
     if config.validate:
         report.validation = validate_plan(
             config,

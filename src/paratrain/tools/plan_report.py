@@ -19,6 +19,7 @@ from typing import Any
 
 from ..buckets import FIRST_BUCKET_BYTES
 from .plan_measure import DDP_BUCKET_CAP_BYTES
+from .plan_memory import MemoryRow, parse_bytes, render_memory, smallest_fit
 from .plan_model import BucketSpec, Link, ScalingRow
 from .report import format_table
 from .settings import RunSettings
@@ -78,6 +79,7 @@ class PlanReport:
     validation: list[dict[str, Any]] = field(default_factory=list)
     written: list[str] = field(default_factory=list)  # the files written (the JSON report)
     unreliable: list[str] = field(default_factory=list)  # why the measurements cannot be trusted, if they cannot
+    memory: list[MemoryRow] = field(default_factory=list)  # bytes per device of ddp, zero1 and zero2 at each N
 
     @property
     def reliable(self) -> bool:
@@ -103,7 +105,14 @@ class PlanReport:
             "assumptions": self.assumptions,
             "inputs": self.inputs,
             "validation": self.validation,
+            "memory": [{**asdict(r), "model_states": r.model_states, "total": r.total} for r in self.memory],
+            "fewest_devices": self.fewest_devices(),
         }
+
+    def fewest_devices(self) -> dict[str, int | None] | None:
+        """With --device-memory: the fewest devices ddp, zero1 and zero2 fit on (None: not up to max-world-size)."""
+        limit = self.settings.get("device_memory")
+        return smallest_fit(self.memory, parse_bytes(limit)) if limit and self.memory else None
 
     def render(self) -> str:
         headers = ["world size", "batch/device", "step ms", "samples/s", "speed-up", "efficiency", "exposed comm ms"]
@@ -121,6 +130,13 @@ class PlanReport:
         ]
         lines = [format_table(headers, table), "", "assumptions:"]
         lines += [f"  - {a}" for a in self.assumptions]
+        if self.memory:
+            limit = self.settings.get("device_memory")
+            lines += ["", *render_memory(self.memory, parse_bytes(limit) if limit else None)]
+            lines.append(
+                "  step times above are ddp's; zero1 and zero2 are not modelled (measure them with bench --configs "
+                "zero1:N zero2:N)"
+            )
         lines.append("")
         lines.append(self.verdict())
         if self.validation:

@@ -1,4 +1,4 @@
-"""Run one configuration of ``verify`` or ``bench``: in this process (single, dp) or in launched processes (ddp).
+"""Run one configuration of ``verify`` or ``bench``: in this process (single, dp) or in launched processes (ddp, zero).
 
     results = run_config(run_in, settings, parse_config("ddp:2"), workdir, extra)   # one dict per rank
 
@@ -62,6 +62,7 @@ def run_config(
         json.dumps(
             {
                 "run_in": path_of(run_in),
+                "strategy": config.strategy,
                 "settings_class": path_of(type(settings)),
                 "settings": settings.to_dict(),
                 "extra": extra,

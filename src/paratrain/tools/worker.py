@@ -1,4 +1,5 @@
-"""One rank of a ``ddp:N`` configuration of verify or bench; started by :func:`paratrain.tools.runner.run_config`.
+"""One rank of a ``ddp:N`` (or ``zero1:N``, ``zero2:N``) configuration of verify or bench; started by
+:func:`paratrain.tools.runner.run_config`.
 
     python -m torch.distributed.run --nproc-per-node 2 -m paratrain.tools.worker JOB.json
 
@@ -37,7 +38,10 @@ def main(argv: list[str]) -> int:
         settings = _imported(job["settings_class"]).from_dict(job["settings"], source=argv[0])
         run_in = _imported(job["run_in"])
         report = settings.hang_report or str(out / "hang-report.json")
-        with Parallel("ddp", "auto", timeout=settings.timeout, precision=settings.precision, hang_report=report) as par:
+        strategy = job.get("strategy", "ddp")
+        with Parallel(
+            strategy, "auto", timeout=settings.timeout, precision=settings.precision, hang_report=report
+        ) as par:
             result = run_in(par, settings, job["extra"])
         torch.save(result, out / f"rank{rank}.pt")
     except Exception as exc:

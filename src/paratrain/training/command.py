@@ -2,6 +2,7 @@
 
     code = train_command(TrainConfig(epochs=1), LaunchConfig())                       # single, dp: here
     code = train_command(TrainConfig(strategy="ddp"), LaunchConfig(nproc_per_node=2))  # two ranks, launched
+    code = train_command(TrainConfig(strategy="zero2"), LaunchConfig(nproc_per_node=4))  # sharded, four ranks
 
 Every decision of the command lives here, not in the command line: which strategy ``auto`` is, whether this
 process starts workers or is one, which devices ddp takes, what must hold before any work starts (settings
@@ -22,7 +23,7 @@ from ..environment import ClusterEnvironment
 from ..errors import ConfigError, TrainingInterrupted
 from ..launch import LaunchConfig, launch
 from ..settings import flag_of
-from ..strategies import check_ddp_devices, resolve_devices, resolve_strategy
+from ..strategies import PROCESS_STRATEGIES, check_ddp_devices, resolve_devices, resolve_strategy
 from .config import TrainConfig
 from .job import train
 from .preflight import preflight
@@ -46,11 +47,11 @@ def train_command(config: TrainConfig, launcher: LaunchConfig | None = None) -> 
     config.check()  # here, before any worker process starts
     environment = ClusterEnvironment.detect()
     strategy = resolve_strategy(config.strategy, config.devices, environment)
-    if strategy != "ddp":
+    if strategy not in PROCESS_STRATEGIES:
         _refuse_ddp_settings(config, launcher, strategy)
     if strategy == "dp":
         _note_one_replica(config)
-    if strategy == "ddp" and not environment.launched:
+    if strategy in PROCESS_STRATEGIES and not environment.launched:
         return launch_train(config, launcher)
     # a restarted process continues its run (the run decides from its own records); a first start is checked now
     if not environment.launched and not environment.restart_count:
@@ -69,7 +70,7 @@ def launch_train(config: TrainConfig, launcher: LaunchConfig) -> int:
             write, or restarts without checkpoints to restart from.
     """
     launcher.check()
-    check_ddp_devices(config.devices, "--devices")
+    check_ddp_devices(config.devices, "--devices", resolve_strategy(config.strategy, config.devices))
     if launcher.is_single_node:
         config.check_outputs()  # rank 0 runs on this machine: its outputs are checked before it starts
     if launcher.max_restarts and config.checkpoint_dir is None:

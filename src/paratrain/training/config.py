@@ -43,7 +43,8 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
     log_every: int = setting(100, "print the loss every N steps", check=at_least(1), metavar="N")
     strategy: str = setting(
         "auto",
-        "how to run: single (one device), dp (several devices, one process), ddp (one process per device); "
+        "how to run: single (one device), dp (several devices, one process), ddp (one process per device), "
+        "zero1 / zero2 (as ddp, with the optimizer state / and the gradients sharded across the processes); "
         "auto: ddp under a launcher or over several GPUs, dp over a list of devices, else single",
         check=one_of(STRATEGY_NAMES),
         choices=STRATEGY_NAMES,

@@ -146,6 +146,10 @@ class _Run:
             betas=config.betas,
         )
         loader = DeviceLoader(self.splits.train, config.batch_size, shuffle=True, seed=config.seed)
+        # prepared before anything is restored into them: under zero1/zero2 the optimizer becomes one over this
+        # process's shard, which the schedule must drive and which reads only its slices of a checkpoint
+        self.model, self.optimizer, self.loader = par.prepare(model, optimizer, loader)
+        optimizer = self.optimizer
         # built before a resume restores the optimizer: building a schedule sets the learning rate
         self.scheduler = build_scheduler(
             optimizer, config.lr_schedule, warmup_steps=config.warmup_steps, total_steps=config.epochs * len(loader)
@@ -153,7 +157,7 @@ class _Run:
         self.pos = Position()
         self.record = RunRecord(config.epochs, config.metrics_out)
         if self.resume_path is not None:
-            self.pos, self.record = restore(self.resume_path, config, model, optimizer, self.scheduler, par.precision)
+            self.pos, self.record = restore(self.resume_path, config, par, self.model, optimizer, self.scheduler)
             # settings a resumed run may change (learning rate, momentum, weight decay, betas) take effect: the
             # checkpoint's optimizer state brought back the old ones
             apply_settings(
@@ -173,7 +177,6 @@ class _Run:
         # stop at the same step
         started = torch.tensor([self.recovery.run_started_at], dtype=torch.int64)
         self.run_started_at = int(par.broadcast(started)[0])
-        self.model, self.optimizer, self.loader = par.prepare(model, optimizer, loader)
         self.timer = StepTimer(par.device)
         self.stepper = Stepper(
             par,

@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from ..checkpoint import latest_checkpoint, list_checkpoints
 from ..errors import CheckpointError, ConfigError
 from ..settings import flag_of
+from ..shard_checkpoint import is_sharded_checkpoint, read_plain
 from .config import RESUME_MODES, TrainConfig
 
 __all__ = ["IDENTITY", "SavedRun", "Start", "differences", "identity", "plan_start", "read_saved_run"]
@@ -91,12 +92,12 @@ class SavedRun:
 
 
 def read_saved_run(path: Path) -> SavedRun:
-    """The run a checkpoint belongs to (the whole file is read and verified).
+    """The run a checkpoint belongs to (a file is read and verified whole; a sharded checkpoint's index only).
 
     Raises:
         CheckpointError: the file is damaged or was not written by ``paratrain train``.
     """
-    state = load_checkpoint(path)
+    state = read_plain(path)
     missing = [key for key in ("epoch", "batch", "global_step", "config") if key not in state]
     if missing:
         raise CheckpointError(f"checkpoint {path} has no {missing[0]!r} entry; it was not written by paratrain train")
@@ -179,8 +180,8 @@ def plan_start(config: TrainConfig, checkpoints: Path | None, continuing: bool) 
         _check_continues(config, saved)
         return Start(latest, saved, config.epochs)
     path = Path(config.resume)
-    if not path.is_file():
-        raise CheckpointError(f"--resume {config.resume}: no such checkpoint file")
+    if not (path.is_file() or is_sharded_checkpoint(path)):
+        raise CheckpointError(f"--resume {config.resume}: no such checkpoint file (or sharded checkpoint directory)")
     saved = read_saved_run(path)
     _check_continues(config, saved)
     if latest is not None and latest.resolve() != path.resolve():

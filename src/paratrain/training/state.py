@@ -1,10 +1,12 @@
 """What a run's checkpoint holds, and resuming from one: the position, the state, the settings that must match.
 
-    position, run = restore(path, config, model, optimizer, scheduler, precision)   # path: resume.plan_start's
+    position, run = restore(path, config, par, model, optimizer, scheduler)   # path: resume.plan_start's
     ...
     save(par, directory, config, model, optimizer, position, run, extra)
 
-A position counts global batches, so a checkpoint resumes under any strategy and number of devices. Beside the
+A position counts global batches, so a checkpoint resumes under any strategy and number of devices; under zero1
+and zero2 a checkpoint is a directory of every process's slices (paratrain.shard_checkpoint), read back the same,
+each process reading only the slices of its shard. Beside the
 state, a checkpoint records its run (:class:`RunRecord`): the epochs asked for, where the metrics went and every
 epoch's train loss and test accuracy so far, which a resumed run extends and a complete run reports.
 """
@@ -19,11 +21,11 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from ..checkpoint import checkpoint_name, load_checkpoint, prune_checkpoints
+from ..checkpoint import checkpoint_name, prune_checkpoints
 from ..errors import CheckpointError, ConfigError
 from ..parallel import Parallel
-from ..precision import Precision
 from ..rng import rng_state, set_rng_state
+from ..shard_checkpoint import read_plain
 from ..state_dicts import check_compatible
 from .config import TrainConfig
 from .optimizers import restore_scheduler
@@ -65,8 +67,8 @@ def save(
     extra: dict[str, Any],
 ) -> None:
     state = {
-        "model": par.unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model,  # as the strategy holds them: whole, or (zero1, zero2) each process's slices
+        "optimizer": optimizer,
         "epoch": pos.epoch,
         "batch": pos.batch,
         "global_step": pos.global_step,
@@ -85,35 +87,31 @@ def save(
 def restore(
     path: Path,
     config: TrainConfig,
+    par: Parallel,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: LambdaLR | None,
-    precision: Precision,
 ) -> tuple[Position, RunRecord]:
-    """Load the checkpoint at ``path`` into the run's objects; its position, and its run's record so far.
+    """Load the checkpoint at ``path`` (written under any strategy and world size) into the prepared ``model`` and
+    ``optimizer``; its position, and its run's record so far. The optimizer reads only its process's shard.
 
     Raises:
         ConfigError: settings that cannot continue the checkpoint's run (each one named).
         CheckpointError: a checkpoint that is damaged, not paratrain train's, or does not fit the model.
     """
-    state = load_checkpoint(path)
-    for key in ("model", "optimizer", "epoch", "batch", "global_step", "config", "rng"):
+    try:
+        state = par.load(path, into={"optimizer": optimizer})
+    except (ValueError, KeyError) as exc:
+        _check_continues(path, read_plain(path), config)  # another run's checkpoint explains it best
+        raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit this model: {exc}") from exc
+    for key in ("model", "epoch", "batch", "global_step", "config", "rng"):
         if key not in state:
             raise CheckpointError(f"checkpoint {path} has no {key!r} entry; it was not written by paratrain train")
-    differ = differences(state["config"], config)
-    if differ:
-        raise ConfigError(
-            f"checkpoint {path} belongs to a run these settings cannot continue: {'; '.join(differ)}. Resume with "
-            f"the checkpoint's settings, or start a new run in another --checkpoint-dir"
-        )
-    check_compatible(model.state_dict(), state["model"])
-    model.load_state_dict(state["model"])
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit this model: {exc}") from exc
+    _check_continues(path, state, config)
+    check_compatible(par.unwrap(model).state_dict(), state["model"])
+    par.unwrap(model).load_state_dict(state["model"])
     restore_scheduler(scheduler, state.get("scheduler"), f"checkpoint {path}")
-    precision.load_state_dict(state.get("precision") or {})
+    par.precision.load_state_dict(state.get("precision") or {})
     set_rng_state(state["rng"])
     position = Position(
         epoch=int(state["epoch"]),
@@ -130,3 +128,14 @@ def restore(
         epoch_test_accuracy=[float(x) for x in saved.get("epoch_test_accuracy", [])],
     )
     return position, run
+
+
+def _check_continues(path: Path, state: dict[str, Any], config: TrainConfig) -> None:
+    if "config" not in state:
+        raise CheckpointError(f"checkpoint {path} has no 'config' entry; it was not written by paratrain train")
+    differ = differences(state["config"], config)
+    if differ:
+        raise ConfigError(
+            f"checkpoint {path} belongs to a run these settings cannot continue: {'; '.join(differ)}. Resume with "
+            f"the checkpoint's settings, or start a new run in another --checkpoint-dir"
+        )

@@ -1,0 +1,131 @@
+"""``zero1`` and ``zero2``: one process per device as under ddp, with the training state sharded across them.
+
+``zero1`` shards the optimizer state (each rank updates its part of every bucket, then all-gathers the weights);
+``zero2`` shards the gradients too (each bucket is reduce-scattered during backward). A loop runs unchanged::
+
+    par = Parallel("zero2")                               # in a process started by paratrain launch / torchrun
+    model, optimizer, loader = par.prepare(model, optimizer, loader)    # optimizer: same class, this rank's shard
+    ...
+    par.save({"model": model, "optimizer": optimizer, "step": step}, "runs/a/step-100.pt")   # a sharded checkpoint
+
+The model must be prepared before (or in the same call as) its optimizer. See :mod:`paratrain.zero`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from ..grad_norm import clip_with_norm
+from ..shard_checkpoint import LocalSlices, materialize
+from ..sharded_optimizer import ShardedOptimizer, shard_optimizer
+from ..zero import ZeroDataParallel
+from .ddp import DistributedStrategy
+
+__all__ = ["Zero1Strategy", "Zero2Strategy", "ZeroStrategy"]
+
+
+class ZeroStrategy(DistributedStrategy):
+    """Sharded data parallel across processes (see the module docstring); ``stage`` says what is sharded."""
+
+    name: ClassVar[str] = "zero"
+    stage: ClassVar[int] = 0
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self._device)
+        device_ids = [self._device] if self._device.type == "cuda" else None
+        wrapped = ZeroDataParallel(
+            model, self.stage, device_ids=device_ids, timeout=self._timeout, hang_report=self._hang_report
+        )
+        self._ddp.append(wrapped)
+        return wrapped
+
+    def describe(self) -> str:
+        return f"{self.name}, {self.world_size} processes, on {self._device.type}"
+
+    def _zero_wrappers(self) -> list[ZeroDataParallel]:
+        return [w for w in self._ddp if isinstance(w, ZeroDataParallel)]
+
+    def wrapper_of(self, model: nn.Module, what: str) -> ZeroDataParallel:
+        """The wrapper this strategy put around ``model`` (given as prepared, or as the user's module)."""
+        found = next((w for w in self._zero_wrappers() if w is model or w.module is model), None)
+        if found is None:
+            raise ConfigError(
+                f"{what} under {self.name} takes the model par.prepare() returned (or the module inside it), whose "
+                f"gradients and weights are sharded across ranks; found a {type(model).__name__} it did not prepare"
+            )
+        return found
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owners = [w for w in self._zero_wrappers() if any(id(p) in params for p in w.reducer.params)]
+        if len(owners) != 1:
+            why = "no model prepared so far holds its parameters" if not owners else "it spans several models"
+            raise ConfigError(
+                f"under {self.name} an optimizer is sharded like the one model it trains, but {why}: prepare the "
+                f"model first, in the same call or before (par.prepare(model, optimizer)), one optimizer per model"
+            )
+        return shard_optimizer(optimizer, owners[0])
+
+    # -- the global gradient: its norm, and the whole of it for checks ----------------------------------------
+
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient; its norm is summed from every rank's pieces (in float64, as ddp's is)."""
+        wrapper = self.wrapper_of(module, "clip_grad_norm_()")
+        pieces = wrapper.owned_pieces()
+        terms = wrapper.shard_norm_terms(pieces, float(norm_type))
+        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+        self._run("all_reduce of the gradient norm", lambda: dist.all_reduce(terms, op=op, async_op=True))
+        grads = [g for piece in pieces if (g := wrapper.piece_grad(piece)) is not None]
+        dtype = wrapper.flat[0].dtype if wrapper.flat else torch.float32
+        return clip_with_norm(terms.to(self._device), grads, max_norm, float(norm_type), dtype)
+
+    def gradients(self, model: nn.Module) -> list[torch.Tensor | None]:
+        wrapper = self.wrapper_of(model, "gradients()")
+        whole = dict(zip((id(p) for p in wrapper.reducer.params), wrapper.full_gradients(), strict=True))
+        return [whole.get(id(p), p.grad) for p in wrapper.module.parameters()]
+
+    # -- checkpoints: every rank its own slices ---------------------------------------------------------------
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The model's state dict with every bucketed parameter as this rank's slices of it."""
+        wrapper = self.wrapper_of(model, "saving the model")
+        mine: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for piece in wrapper.owned_pieces():
+            mine.setdefault(id(piece.param), []).append((piece.start, piece.value))
+        by_storage = {(p.data_ptr(), tuple(p.shape)): p for p in wrapper.reducer.params if p.numel()}
+        state = wrapper.module.state_dict()
+        for key, value in state.items():
+            p = by_storage.get((value.data_ptr(), tuple(value.shape)))
+            if p is not None:  # the state dict holds the parameter's data (tied parameters: under each name)
+                state[key] = LocalSlices(tuple(p.shape), p.dtype, list(mine.get(id(p), [])))
+        return state
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, ShardedOptimizer):
+            return optimizer.sharded_state_dict()
+        return super().optimizer_state(optimizer)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        if isinstance(optimizer, ShardedOptimizer):
+            optimizer.load_state_dict(state)  # reads only the slices of this rank's pieces
+            return
+        optimizer.load_state_dict(materialize(state))
+
+
+class Zero1Strategy(ZeroStrategy):
+    """``zero1``: the optimizer state sharded; gradients all-reduced as under ddp."""
+
+    name: ClassVar[str] = "zero1"
+    stage: ClassVar[int] = 1
+
+
+class Zero2Strategy(ZeroStrategy):
+    """``zero2``: the optimizer state and the gradients sharded; gradients reduce-scattered during backward."""
+
+    name: ClassVar[str] = "zero2"
+    stage: ClassVar[int] = 2

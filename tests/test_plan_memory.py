@@ -1,0 +1,103 @@
+"""plan's memory per device: the formula's table, the strategies' own allocations at world size 1, the sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from paratrain.distributed import DistributedDataParallel
+from paratrain.errors import ConfigError
+from paratrain.sharded_optimizer import shard_optimizer
+from paratrain.tools.plan_memory import activation_bytes, memory_rows, parse_bytes, smallest_fit
+from paratrain.zero import ZeroDataParallel
+
+
+def _mlp(width: int = 512) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_model_states_follow_the_zero_formulas(world):
+    """fp32 AdamW, Ψ parameters: ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N, plus padding and step counts."""
+    model = _mlp()
+    psi = sum(p.numel() for p in model.parameters())
+    rows = {r.strategy: r for r in memory_rows(model, "adamw", 0.0, [world], lambda n: 0)}
+    formula = {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi / world, "zero2": 4 * psi + 12 * psi / world}
+    for strategy, expected in formula.items():
+        assert rows[strategy].model_states == pytest.approx(expected, rel=1e-3), strategy
+    assert rows["zero2"].in_flight > 0 and rows["ddp"].in_flight == 0
+
+
+def test_sgd_without_momentum_keeps_no_state():
+    rows = memory_rows(_mlp(), "sgd", 0.0, [2], lambda n: 0)
+    assert all(r.optimizer == 0 for r in rows)
+    with_momentum = memory_rows(_mlp(), "sgd", 0.9, [2], lambda n: 0)
+    assert {r.strategy: r.optimizer > 0 for r in with_momentum} == {"ddp": True, "zero1": True, "zero2": True}
+
+
+@pytest.fixture(scope="module")
+def group():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _held(tensors) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_the_counts_are_what_the_strategies_allocate(group, strategy):
+    """At world size 1, after a step: the bytes of parameters, gradients and optimizer state actually held."""
+    model = _mlp()
+    if strategy == "ddp":
+        wrapped = DistributedDataParallel(model, gradient_as_bucket_view=True)  # as the ddp strategy wraps
+        opt = torch.optim.AdamW(model.parameters())
+    else:
+        wrapped = ZeroDataParallel(model, int(strategy[-1]))
+        opt = shard_optimizer(torch.optim.AdamW(model.parameters()), wrapped)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    F.cross_entropy(wrapped(x), y).backward()
+    opt.step()
+    reducer = wrapped.reducer
+    grads = [p.grad for p in model.parameters()] + list(reducer.buffers) + list(getattr(reducer, "grads", []))
+    held = {
+        "parameters": _held(model.parameters()),
+        "gradients": _held(grads),
+        "optimizer": _held(v for s in opt.state.values() for v in s.values()),
+    }
+    (row,) = (r for r in memory_rows(_mlp(), "adamw", 0.0, [1], lambda n: 0) if r.strategy == strategy)
+    assert held == {"parameters": row.parameters, "gradients": row.gradients, "optimizer": row.optimizer}
+
+
+def test_activations_are_what_a_forward_saves_for_backward():
+    model = _mlp(256)
+    one, four = activation_bytes(model, torch.randn(1, 64), 1), activation_bytes(model, torch.randn(1, 64), 4)
+    assert one > 0 and four == 4 * one  # saved inputs and ReLU outputs, per sample; the weights not counted
+    assert four < sum(p.numel() * 4 for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("80GB", 80 * 10**9), ("24GiB", 24 * 2**30), ("512 MB", 512 * 10**6), ("1.5gb", 15 * 10**8), ("4096", 4096)],
+)
+def test_sizes(text, size):
+    assert parse_bytes(text) == size
+
+
+def test_bad_sizes_and_the_fewest_devices():
+    with pytest.raises(ConfigError, match="expected a size such as 80GB"):
+        parse_bytes("eighty gigs")
+    model = _mlp(1024)
+    rows = memory_rows(model, "adamw", 0.0, range(1, 5), lambda n: 0)
+    psi = sum(p.numel() for p in model.parameters())
+    # 12Ψ: ddp never (16Ψ); zero1 from N=3 (8Ψ + 8Ψ/3); zero2 from N=4 (4Ψ + 12Ψ/4, and its three buckets in
+    # flight while backward runs, 4Ψ for a model this small)
+    fit = smallest_fit(rows, int(12 * psi))
+    assert fit == {"ddp": None, "zero1": 3, "zero2": 4}

@@ -1,0 +1,319 @@
+"""What each rank runs in the tests of zero1 and zero2 (tests/test_zero.py); every function returns JSON-able findings.
+
+The oracle is our DDP in the same processes, on the same model, data and optimizer: parameters after every step
+compared bit for bit, and one device on the whole batches within rounding.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import paratrain
+from paratrain.errors import CollectiveError, ConfigError
+from paratrain.shard_checkpoint import is_sharded_checkpoint
+from paratrain.sharded_optimizer import ShardedOptimizer
+from paratrain.zero import ZeroDataParallel
+from paratrain.zero_reducer import ShardedReducer
+
+GLOBAL_BATCH = 24
+STEPS = 3
+
+
+def model(seed: int = 0) -> nn.Module:
+    """About 560k parameters: two buckets (the first small), every world size splits a parameter between ranks."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(64, 512), nn.Tanh()]
+    layers += [nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 10)]
+    return nn.Sequential(*layers)
+
+
+def batches(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(GLOBAL_BATCH, 64, generator=g), torch.randint(0, 10, (GLOBAL_BATCH,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def optimizer_for(name: str, net: nn.Module) -> torch.optim.Optimizer:
+    """Two parameter groups with settings of their own (the biases without weight decay, another lr)."""
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
+    if name == "sgd":
+        return torch.optim.SGD(
+            [{"params": weights}, {"params": biases, "weight_decay": 0.0, "lr": 0.05}],
+            lr=0.1,
+            momentum=0.9,
+            weight_decay=1e-3,
+        )
+    return torch.optim.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=3e-3, weight_decay=0.1)
+
+
+def flat_params(par: paratrain.Parallel, net: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in par.unwrap(net).parameters()]).clone()
+
+
+def train(
+    strategy: str,
+    *,
+    optimizer: str,
+    precision: str = "32",
+    accumulate: int = 1,
+    clip: float | None = None,
+    schedule: bool = False,
+    steps: int = STEPS,
+) -> dict[str, Any]:
+    """Train under ``strategy``; the parameters after every step, the clipping norms, the shard's state size."""
+    with paratrain.Parallel(strategy, "cpu", precision=precision) as par:
+        net = model()
+        opt = optimizer_for(optimizer, net)
+        net, opt, loader = par.prepare(net, opt, batches(steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)) if schedule else None
+        after, norms = [], []
+        for x, y in loader:
+            for xm, ym in par.accumulate(net, (x, y), steps=accumulate):
+                par.backward(F.cross_entropy(net(xm), ym))
+            if clip is not None:
+                norms.append(float(par.clip_grad_norm_(net, clip)))
+            par.step(opt)
+            opt.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+            after.append(flat_params(par, net))
+        state = sum(v.numel() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+        return {"after": after, "norms": norms, "state_numel": state, "lr": [g["lr"] for g in opt.param_groups]}
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "sgd momentum, fp32": {"optimizer": "sgd"},
+    "adamw, fp32": {"optimizer": "adamw"},
+    "sgd momentum, bf16-mixed": {"optimizer": "sgd", "precision": "bf16-mixed"},
+    "adamw, bf16-mixed": {"optimizer": "adamw", "precision": "bf16-mixed"},
+    "sgd momentum, accumulate 2, clip": {"optimizer": "sgd", "accumulate": 2, "clip": 0.05},
+    "adamw, bf16-mixed, accumulate 3, clip, schedule": {
+        "optimizer": "adamw",
+        "precision": "bf16-mixed",
+        "accumulate": 3,
+        "clip": 0.5,
+        "schedule": True,
+    },
+}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _initial() -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model().parameters()])
+
+
+def exactness(rank: int, world: int, names: tuple[str, ...] = tuple(CONFIGS), single: bool = True) -> dict[str, Any]:
+    """Each configuration under single, ddp, zero1 and zero2: bitwise equality with ddp, closeness to one device."""
+    found = {}
+    compared = ("zero1", "zero2", "single") if single else ("zero1", "zero2")
+    for name in names:
+        config = CONFIGS[name]
+        runs = {strategy: train(strategy, **config) for strategy in ("ddp", *compared)}
+        ddp = runs["ddp"]
+        entry: dict[str, Any] = {"moved": _relative(ddp["after"][-1], _initial()), "ddp_state": ddp["state_numel"]}
+        for strategy in compared:
+            run = runs[strategy]
+            pairs = list(zip(run["after"], ddp["after"], strict=True))
+            entry[f"{strategy}_bitwise"] = all(torch.equal(a, b) for a, b in pairs)
+            entry[f"{strategy}_rel"] = max(_relative(a, b) for a, b in pairs)
+            entry[f"{strategy}_norms"] = run["norms"] == ddp["norms"]
+            entry[f"{strategy}_state"] = run["state_numel"]
+            entry[f"{strategy}_lr"] = run["lr"] == ddp["lr"]
+        found[name] = entry
+    return found
+
+
+def optimizer_surface(rank: int, world: int) -> dict[str, Any]:
+    """The prepared optimizer: the user's class and groups, this rank's state only, hooks once, what is refused."""
+    found: dict[str, Any] = {}
+    with paratrain.Parallel("zero2", "cpu") as par:
+        net = model()
+        user = optimizer_for("adamw", net)
+        counts = {"pre": 0, "post": 0}
+        net, opt = par.prepare(net, user)
+        opt.register_step_pre_hook(lambda *a: counts.__setitem__("pre", counts["pre"] + 1))
+        opt.register_step_post_hook(lambda *a: counts.__setitem__("post", counts["post"] + 1))
+        found["same_class"] = isinstance(opt, torch.optim.AdamW) and type(opt).__name__ == "AdamW"
+        found["sharded"] = isinstance(opt, ShardedOptimizer)
+        found["groups_kept"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == [
+            {k: v for k, v in g.items() if k != "params"} for g in user.param_groups
+        ]
+        for x, y in par.prepare(batches(2)):
+            par.backward(F.cross_entropy(net(x), y))
+            opt.step()
+            opt.zero_grad()
+        found["hooks_once_per_step"] = counts == {"pre": 2, "post": 2}
+        mine = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        held = sum(v.numel() for s in opt.state.values() for k, v in s.items() if k != "step")
+        total = par.all_reduce(torch.tensor(float(held)))
+        found["state_is_the_shard"] = held == 2 * mine  # exp_avg and exp_avg_sq of this rank's pieces only
+        found["states_cover_the_model"] = int(total) == 2 * sum(p.numel() for p in model().parameters())
+        found["groups_per_rank"] = [len(g["params"]) for g in opt.param_groups]
+        wrapper = net
+        assert isinstance(wrapper, ZeroDataParallel)
+        reducer = wrapper.reducer
+        assert isinstance(reducer, ShardedReducer)
+        found["no_whole_gradient"] = all(p.grad is None for p in par.unwrap(net).parameters())
+        found["no_bucket_buffer"] = all(b.numel() == 0 for b in reducer.buffers)
+        found["gradient_parts"] = sum(g.numel() for g in reducer.grads)
+        found["bucket_elements"] = sum(b.numel for b in reducer.buckets)
+        found["buckets"] = len(reducer.buckets)
+        try:
+            par.prepare(torch.optim.LBFGS(par.unwrap(net).parameters()))
+        except ConfigError as exc:
+            found["lbfgs"] = str(exc)
+        try:
+            par.prepare(torch.optim.SGD(model().parameters(), lr=0.1))
+        except ConfigError as exc:
+            found["foreign"] = str(exc)
+    with paratrain.Parallel("zero1", "cpu") as par:
+        net = par.prepare(model())
+        opt = par.prepare(torch.optim.SGD(par.unwrap(net).parameters(), lr=0.1, momentum=0.9))
+        x, y = batches(1)[0]
+        par.backward(F.cross_entropy(net(x), y))
+        buffers = {b.untyped_storage().data_ptr() for b in net.reducer.buffers}
+        found["zero1_grads_are_buckets"] = all(
+            p.grad.untyped_storage().data_ptr() in buffers for p in par.unwrap(net).parameters()
+        )
+    return found
+
+
+def gradients_and_overflow(rank: int, world: int) -> dict[str, Any]:
+    """par.gradients under zero2 equals ddp's gradients; 16-mixed skips a step overflowing in one rank's shard only."""
+    found: dict[str, Any] = {}
+    grads = {}
+    for strategy in ("ddp", "zero2"):
+        with paratrain.Parallel(strategy, "cpu") as par:
+            net = model()
+            net, opt, loader = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), batches(1))
+            for x, y in loader:
+                par.backward(F.cross_entropy(net(x), y))
+            grads[strategy] = torch.cat([g.reshape(-1) for g in par.gradients(net)])
+    found["gradients_equal"] = torch.equal(grads["ddp"], grads["zero2"])
+    for strategy in ("ddp", "zero2"):
+        with paratrain.Parallel(strategy, "cpu", precision="16-mixed") as par:
+            net = model()
+            net, opt, loader = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), batches(2))
+            first = par.unwrap(net)[0].weight
+            # one element's gradient is inf on every rank: after the reduce-scatter only the rank owning it sees it
+            handle = first.register_hook(
+                lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), g.new_tensor(float("inf")))
+            )
+            before = flat_params(par, net)
+            applied = []
+            for step, (x, y) in enumerate(loader):
+                par.backward(F.cross_entropy(net(x), y))
+                applied.append(par.step(opt))
+                opt.zero_grad()
+                if step == 0:
+                    handle.remove()
+                    found[f"{strategy}_unchanged_after_skip"] = torch.equal(before, flat_params(par, net))
+            found[f"{strategy}_applied"] = applied
+            found[f"{strategy}_scale"] = float(par.precision.scaler.get_scale())
+            found[f"{strategy}_after"] = flat_params(par, net).sum().item()
+    return found
+
+
+def _overflow_first_element(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = float("inf")
+    return grad
+
+
+def checkpoints(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A zero2 checkpoint written by every rank, loaded under zero1, ddp, single and zero2; and a ddp checkpoint (one
+    file) loaded under zero1 and zero2: each continuing exactly as the run that never stopped."""
+    found: dict[str, Any] = {}
+    data = batches(4)
+    sharded = Path(directory) / "epoch-0000-step-000002.pt"
+    whole = Path(directory) / "ddp-step-2.pt"
+
+    def run(strategy: str, steps: range, load: Path | None, save: Path | None) -> torch.Tensor:
+        with paratrain.Parallel(strategy, "cpu") as par:
+            net = model()
+            net, opt = par.prepare(net, optimizer_for("adamw", net))
+            if load is not None:
+                rest = par.load(load, into={"optimizer": opt})
+                par.unwrap(net).load_state_dict(rest["model"])
+                found[f"{strategy}_step"] = rest["step"]
+            for i, (x, y) in enumerate(par.prepare(data)):  # this rank's share of every global batch
+                if i in steps:
+                    par.backward(F.cross_entropy(net(x), y))
+                    opt.step()
+                    opt.zero_grad()
+            if save is not None:
+                written = par.save({"model": net, "optimizer": opt, "step": 2}, save)
+                found[f"{strategy}_written"] = str(written) if written is not None else None
+            return flat_params(par, net)
+
+    run("zero2", range(2), load=None, save=sharded)
+    found["written"] = found.pop("zero2_written")
+    found["sharded"] = is_sharded_checkpoint(sharded.with_suffix(""))
+    found["files"] = sorted(f.name for f in sharded.with_suffix("").iterdir())
+    uninterrupted = run("zero2", range(4), load=None, save=None)
+    for strategy in ("zero1", "ddp", "single", "zero2"):
+        resumed = run(strategy, range(2, 4), load=sharded, save=None)
+        found[f"{strategy}_bitwise"] = torch.equal(resumed, uninterrupted)
+        found[f"{strategy}_rel"] = _relative(resumed, uninterrupted)
+    run("ddp", range(2), load=None, save=whole)
+    found["from_ddp_file"] = whole.is_file() and not is_sharded_checkpoint(whole.with_suffix(""))
+    for strategy in ("zero1", "zero2"):  # the oracle: the run above that never stopped (zero at 2 ranks is ddp's)
+        resumed = run(strategy, range(2, 4), load=whole, save=None)
+        found[f"from_ddp_{strategy}_bitwise"] = torch.equal(resumed, uninterrupted)
+    return found
+
+
+def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any] | str:
+    """The last rank never steps: the others wait in the all-gather of updated weights, named, within the timeout."""
+    with paratrain.Parallel("zero2", "cpu", timeout=2) as par:
+        net = model()
+        net, opt = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        x, y = batches(1)[0]
+        par.backward(F.cross_entropy(net(x[:4]), y[:4]))
+        if rank == world - 1:
+            time.sleep(5)  # past the others' timeout and their report
+            return "skipped"
+        started = time.monotonic()
+        try:
+            opt.step()
+        except CollectiveError as exc:
+            return {"message": str(exc), "seconds": time.monotonic() - started}
+        return "no error"
+
+
+def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Every scenario that leaves the process group usable, in one set of processes (start-up is slow)."""
+    return {
+        "exactness": exactness(rank, world),
+        "optimizer_surface": optimizer_surface(rank, world),
+        "gradients_and_overflow": gradients_and_overflow(rank, world),
+        "checkpoints": checkpoints(rank, world, directory),
+    }
+
+
+def three_ranks(rank: int, world: int) -> dict[str, Any]:
+    """Two configurations against ddp and one device, then a rank that never steps (it leaves the group unusable)."""
+    found: dict[str, Any] = {"exactness": exactness(rank, world, ("adamw, fp32", "sgd momentum, accumulate 2, clip"))}
+    found["skipped_step"] = a_rank_that_skips_the_step_is_named(rank, world)
+    return found
+
+
+def four_ranks(rank: int, world: int) -> dict[str, Any]:
+    """AdamW with bf16-mixed, accumulation, clipping and a schedule, against ddp."""
+    return exactness(rank, world, ("adamw, bf16-mixed, accumulate 3, clip, schedule",), single=False)
