@@ -198,6 +198,8 @@ class Parallel:
             wrapped = self.strategy.wrap_model(obj)
             if self.world_size > 1:  # in one process every loss weighs 1: nothing to find out per forward
                 self._handles.append(wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True))
+            else:  # only whether a prepared model ran forward, for backward's check: a hook that removes itself
+                self._handles.append(self._note_first_forward(wrapped))
             self._handles += self.precision.attach(wrapped)
             return wrapped
         if isinstance(obj, torch.optim.Optimizer):
@@ -213,6 +215,17 @@ class Parallel:
         )
 
     # -- the step ---------------------------------------------------------------------------------------------
+
+    def _note_first_forward(self, model: nn.Module) -> torch.utils.hooks.RemovableHandle:
+        """A forward pre-hook that records the first forward with autograd, then removes itself (no cost after)."""
+
+        def note(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if torch.is_grad_enabled():
+                self._forward_ran = True
+                handle.remove()
+
+        handle = model.register_forward_pre_hook(note)
+        return handle
 
     def _bind_share(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A prepared model's forward: the next backward weighs its loss by the share of the batch fed here.
