@@ -103,7 +103,7 @@ def test_a_run_uses_the_file(capsys, tmp_path):
 
 def test_the_python_api_reads_and_writes_the_same_files(tmp_path):
     config = TrainConfig(lr=1e-5, devices="cpu,cpu", betas=(0.5, 0.25), optimizer="adamw", input_shape="3,8,8")
-    config.data_dir = "tab\there \"quoted\" back\\slash \x01 é"
+    config.data_dir = 'tab\there "quoted" back\\slash \x01 é'
     path = tmp_path / "run.toml"
     path.write_text(config.to_toml(header="a run\nof two lines"))
     assert path.read_text().startswith("# a run\n# of two lines\n")

@@ -39,6 +39,7 @@ from .progress import Progress
 from .recovery import ProgressLog
 from .results import TrainResult, fingerprint, write_metrics
 from .resume import plan_start
+from .run_record import Invocation, environment
 from .state import Position, RunRecord, restore, save
 from .stepper import LossMeter, StepOutcome, Stepper
 from .threads import MachineLoad, choose_threads, using_threads
@@ -200,6 +201,7 @@ class _Run:
         self.stop: StopRequest | None = None
         self.interrupted = False
         self.loop_start = 0.0
+        self.invocation: Invocation | None = None
 
     def say(self, line: str) -> None:
         if not self.config.quiet:
@@ -221,6 +223,7 @@ class _Run:
             f"Training {config.model} on {config.dataset_name} ({len(splits.train)} train / {len(splits.test)} test) "
             f"with {par.describe()}, global batch {config.batch_size}{per_process}, {epochs}"
         )
+        self._write_run_record()
         self.loop_start = time.perf_counter()
         try:
             with StopRequest(par) as self.stop:
@@ -245,6 +248,15 @@ class _Run:
             where = "Done: " if finished else f"Stopped at epoch {self.pos.epoch}, batch {self.pos.batch}: "
             self.progress.write(where + result.summary())
         return result
+
+    def _write_run_record(self) -> None:
+        """This invocation's settings and environment, beside the run's logs and checkpoints (main process)."""
+        resumed = str(self.resume_path) if self.resume_path is not None else None
+        self.invocation = Invocation.now(self.config, self.par, resumed_from=resumed, start_step=self.pos.global_step)
+        if self.par.is_main:
+            for directory in dict.fromkeys((self.config.log_dir, self.config.checkpoint_dir)):
+                if directory is not None:
+                    self.invocation.write(directory)
 
     def _epoch(self, epoch: int) -> bool:
         """Train one epoch (from ``pos.batch`` on); False when ``max_steps`` stopped the run."""
@@ -407,6 +419,9 @@ class _Run:
             threads=torch.get_num_threads(),
             cores=load.cores,
             load_average=load.load_average,
+            config=self.config.to_dict(),
+            environment=self.invocation.environment if self.invocation is not None else environment(par),
+            start_step=self.invocation.start_step if self.invocation is not None else pos.global_step,
         )
 
 

@@ -76,6 +76,9 @@ class TrainResult:
     threads: int = 0  # torch's intra-op CPU threads per process (training/threads.py chose them)
     cores: int = 0  # the machine's
     load_average: float | None = None  # the machine's over one minute, the higher of the run's start and end
+    config: dict[str, Any] = field(default_factory=dict)  # the settings it ran with (TrainConfig.to_dict())
+    environment: dict[str, Any] = field(default_factory=dict)  # versions, devices, world size, backend
+    start_step: int = 0  # optimizer steps the run had done when this invocation began (0, or where it resumed)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
