@@ -20,6 +20,7 @@ from ..strategies import STRATEGY_NAMES
 from .logs import check_extras
 from .optimizers import LR_SCHEDULES
 from .settings import CollectiveSettings, DataSettings, ModelSettings, OptimizerSettings, StepSettings
+from .user_data import DATA_SPEC_HELP, check_data_spec
 
 __all__ = ["RESUME_MODES", "TrainConfig"]
 
@@ -30,6 +31,7 @@ RESUME_MODES = ("latest", "if-exists")
 class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSettings, ModelSettings):
     """Every setting of a training run; the defaults are the classic MNIST DataParallel tutorial's job."""
 
+    data: str | None = setting(None, DATA_SPEC_HELP, metavar="module:callable")
     epochs: int = setting(5, "passes over the training data", check=at_least(1))
     lr_schedule: str = setting(
         "constant",
@@ -82,7 +84,20 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
     )
     eval_batch_size: int = setting(1024, "samples per batch when measuring test accuracy", check=at_least(1))
 
+    @property
+    def dataset_name(self) -> str:
+        """The data the run uses: ``--data``'s callable, else the dataset named, else random or digits."""
+        return self.data if self.data is not None else super().dataset_name
+
     def check_group(self) -> None:
+        if self.data is not None:
+            pairs = (("--dataset", self.dataset), ("--input-shape", self.input_shape))
+            given = [f"{flag} {value}" for flag, value in pairs if value is not None]
+            if given:
+                raise ConfigError(
+                    f"--data {self.data} and {' and '.join(given)} both say where the data comes from; give one of them"
+                )
+            check_data_spec(self.data)
         for name, value in (("--tensorboard", self.tensorboard), ("--plot", self.plot)):
             if value and self.log_dir is None:
                 raise ConfigError(f"{name} writes into --log-dir; add --log-dir DIR")

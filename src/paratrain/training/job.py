@@ -45,6 +45,7 @@ from .stepper import LossMeter, StepOutcome, Stepper
 from .threads import MachineLoad, choose_threads, using_threads
 from .timing import StepTimer, time_breakdown
 from .tracking import Tracker
+from .user_data import load_user_data
 
 __all__ = ["evaluate", "train"]
 
@@ -125,14 +126,17 @@ class _Run:
         self.start = plan_start(config, self.checkpoints, self.continuing)
         self.resume_path = self.start.path
         shape = parse_input_shape(config.input_shape) if config.input_shape is not None else None
-        self.splits = load_dataset(
-            config.dataset_name,
-            config.data_dir,
-            verify=config.verify_data,
-            input_shape=shape,
-            num_classes=config.num_classes,
-            seed=config.seed,
-        )
+        if config.data is not None:
+            self.splits = load_user_data(config.data)
+        else:
+            self.splits = load_dataset(
+                config.dataset_name,
+                config.data_dir,
+                verify=config.verify_data,
+                input_shape=shape,
+                num_classes=config.num_classes,
+                seed=config.seed,
+            )
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
         model = build_model_spec(
             config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
