@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,8 +31,10 @@ from .config import TrainConfig
 from .data import TensorData, parse_input_shape
 from .datasets import load_dataset
 from .fit import check_fits
+from .flops import peak_flops, step_flops
 from .interrupt import StopRequest, interrupted_message
 from .loader import DeviceLoader
+from .log_line import StepMeter
 from .logs import RunLog
 from .model_spec import build_model_spec
 from .optimizers import apply_settings, build_optimizer, build_scheduler, optimizer_settings
@@ -189,6 +192,8 @@ class _Run:
             clip_grad_norm=config.clip_grad_norm,
             timer=self.timer,
         )
+        self.step_meter = self._step_meter(self.model)
+        self.logged_steps: list[dict[str, Any]] = []  # the log line's values, for the metrics file
         self.tracker = None
         if config.log_dir is not None:  # every process takes part in the logged values; the main one writes
             # the rows of every step the checkpoint covers (step indices 0 .. global_step - 1) are kept
@@ -253,6 +258,19 @@ class _Run:
             self.progress.write(where + result.summary())
         return result
 
+    def _step_meter(self, model: nn.Module) -> StepMeter:
+        """The log line's meter, with one count of a step's FLOPs (main process: the one that prints)."""
+        device_count = len(self.par.world_devices())  # a collective under ddp: every process asks
+        if not self.par.is_main:
+            return StepMeter(self.par.device, None, None)
+        config, data = self.config, self.splits.train
+        # FLOPs grow with the batch: count one process's share (or less) and scale to the global batch
+        share = min(-(-config.batch_size // self.par.world_size), len(data))
+        counted = step_flops(self.par.unwrap(model), data.inputs[:share].to(self.par.device))
+        flops = counted * config.batch_size / share if counted else None
+        peak = peak_flops(self.par.device, config.precision)
+        return StepMeter(self.par.device, flops, peak * device_count if peak is not None else None)
+
     def _write_run_record(self) -> None:
         """This invocation's settings and environment, beside the run's logs and checkpoints (main process)."""
         resumed = str(self.resume_path) if self.resume_path is not None else None
@@ -272,28 +290,36 @@ class _Run:
         meter = LossMeter(par.device, pos.loss_sum, pos.loss_count)
         reached = False
         for i, batch in enumerate(self.timer.data(loader), start=pos.batch):
-            step = self.stepper(batch)
+            logged = i % config.log_every == 0
+            step = self.stepper(batch, measure_grad_norm=logged)
             meter.add(step.loss, step.samples)
             global_batch = loader.share.total
             self.samples += global_batch
             self.steps += 1
+            self.step_meter.add(global_batch)
             pos.global_step += 1
             self.recovery.step(pos.global_step)
-            logged = i % config.log_every == 0
             shown = self._logged_loss(step) if logged and not config.quiet else None
             self.progress.step(i, global_batch, step.loss if par.world_size == 1 else shown)
             if self.tracker is not None:
-                self.tracker.add(step, global_batch)
+                self.tracker.add(step)
             if logged:
-                if shown is not None:
-                    self.say(f"Epoch {epoch}, Step {i}, Loss: {shown}")
                 self.timer.flush()  # on a GPU: read the step timer's events (the loss above synchronised anyway)
+                entry = self.step_meter.log(
+                    step=pos.global_step - 1,  # the index of the step just done: epoch 0's equals Step below
+                    epoch=epoch,
+                    batch=i,
+                    loss=shown,
+                    lr=step.lr,
+                    grad_norm=float(step.grad_norm) if step.grad_norm is not None else None,
+                    seconds=self.timer.elapsed,
+                )
+                if shown is not None:
+                    self.say(entry.line())
+                self.logged_steps.append({"step": entry.step, "epoch": epoch, "loss": shown, **entry.values()})
                 if self.tracker is not None:
                     self.tracker.log_step(
-                        step=pos.global_step - 1,  # the index of the step just done: epoch 0's equals Step above
-                        epoch=epoch,
-                        skipped_steps=par.precision.skipped_steps,
-                        step_seconds=self.timer.elapsed,
+                        step=entry.step, epoch=epoch, skipped_steps=par.precision.skipped_steps, values=entry.values()
                     )
             reached = self._reached_max_steps()
             assert self.stop is not None
@@ -426,6 +452,8 @@ class _Run:
             config=self.config.to_dict(),
             environment=self.invocation.environment if self.invocation is not None else environment(par),
             start_step=self.invocation.start_step if self.invocation is not None else pos.global_step,
+            step_flops=self.step_meter.step_flops,
+            logged_steps=self.logged_steps,
         )
 
 
