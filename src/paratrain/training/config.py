@@ -20,6 +20,7 @@ from ..strategies import STRATEGY_NAMES
 from .logs import check_extras
 from .optimizers import LR_SCHEDULES
 from .settings import CollectiveSettings, DataSettings, ModelSettings, OptimizerSettings, StepSettings
+from .trackers import TRACKERS, check_trackers
 from .user_data import DATA_SPEC_HELP, check_data_spec
 
 __all__ = ["RESUME_MODES", "TrainConfig"]
@@ -70,6 +71,14 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
         "write TensorBoard event files, metrics.csv and curves.png there (from rank 0 only)",
         metavar="DIR",
     )
+    log_with: list[str] | None = setting(
+        None,
+        "with --log-dir, also log to these trackers: mlflow (a file store in DIR/mlruns, or MLFLOW_TRACKING_URI; "
+        "needs paratrain[mlflow]), wandb (offline, in DIR/wandb; needs paratrain[wandb])",
+        check=lambda names: None if names is None or set(names) <= set(TRACKERS) else f"some of: {', '.join(TRACKERS)}",
+        nargs="+",
+        metavar="TRACKER",
+    )
     tensorboard: bool | None = setting(
         None, "with --log-dir, write TensorBoard event files (default: yes; needs paratrain[tensorboard])"
     )
@@ -98,6 +107,10 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
                     f"--data {self.data} and {' and '.join(given)} both say where the data comes from; give one of them"
                 )
             check_data_spec(self.data)
+        if self.log_with and self.log_dir is None:
+            raise ConfigError(f"--log-with {' '.join(self.log_with)} logs beside --log-dir's files; add --log-dir DIR")
+        if self.log_with:
+            check_trackers(self.log_with)
         for name, value in (("--tensorboard", self.tensorboard), ("--plot", self.plot)):
             if value and self.log_dir is None:
                 raise ConfigError(f"{name} writes into --log-dir; add --log-dir DIR")

@@ -47,6 +47,7 @@ from .state import Position, RunRecord, restore, save
 from .stepper import LossMeter, StepOutcome, Stepper
 from .threads import MachineLoad, choose_threads, using_threads
 from .timing import StepTimer, time_breakdown
+from .trackers import open_trackers
 from .tracking import Tracker
 from .user_data import load_user_data
 
@@ -202,7 +203,10 @@ class _Run:
             if par.is_main:
                 tensorboard, plot = config.tensorboard is not False, config.plot is not False
                 run_log = RunLog(config.log_dir, tensorboard=tensorboard, plot=plot, resume_step=resumed_at)
-            self.tracker = Tracker(par, run_log)
+            trackers = []
+            if par.is_main and config.log_with:
+                trackers = open_trackers(config.log_with, config.log_dir, config=config.to_dict(), name=config.log_dir)
+            self.tracker = Tracker(par, run_log, trackers)
         self.steps = self.samples = 0
         self.eval_seconds = self.checkpoint_seconds = 0.0
         self.epoch_losses: list[float] = []

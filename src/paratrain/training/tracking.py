@@ -15,13 +15,14 @@ come once per epoch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..parallel import Parallel
 from .logs import RunLog
 from .stepper import StepOutcome
+from .trackers import ExperimentTracker
 
 __all__ = ["Tracker"]
 
@@ -29,9 +30,10 @@ __all__ = ["Tracker"]
 class Tracker:
     """Interval sums of the steps since the last logged one, and the writes (only where ``run_log`` is given)."""
 
-    def __init__(self, par: Parallel, run_log: RunLog | None) -> None:
+    def __init__(self, par: Parallel, run_log: RunLog | None, trackers: Sequence[ExperimentTracker] = ()) -> None:
         self.par = par
         self.run_log = run_log
+        self.trackers = list(trackers)  # --log-with's, in the main process: the same rows as run_log
         self._loss = torch.zeros(2, dtype=torch.float64, device=par.device)  # loss sum, samples (this rank)
         self._latest: StepOutcome | None = None
 
@@ -50,18 +52,24 @@ class Tracker:
             loss = loss_sum / samples if samples else float("nan")
             row = {"train/loss": loss, **values, "train/skipped_steps": float(skipped_steps)}
             self.run_log.scalars(row, step=step, epoch=epoch)
+            for tracker in self.trackers:
+                tracker.scalars(row, step=step)
         self._loss.zero_()
 
     def log_epoch(self, *, step: int, epoch: int, train_loss: float, test_accuracy: float) -> None:
         """Write the epoch's values and redraw the curves (main process only; no collective)."""
         if self.run_log is None:
             return
-        self.run_log.scalars(
-            {"epoch/train_loss": train_loss, "epoch/test_accuracy": test_accuracy}, step=step, epoch=epoch
-        )
+        row = {"epoch/train_loss": train_loss, "epoch/test_accuracy": test_accuracy}
+        self.run_log.scalars(row, step=step, epoch=epoch)
+        for tracker in self.trackers:
+            tracker.scalars(row, step=step)
         self.run_log.plot()
 
     def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self.run_log is not None:
             self.run_log.plot()
             self.run_log.close()
