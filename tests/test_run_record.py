@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import tomllib
 import torch
 
 from conftest import run_main
 from paratrain.training import TrainConfig
 from paratrain.training.run_record import RECORD_JSON, RECORD_TOML
+from processes import run_cli
 
 TINY = ("--epochs", "1", "--max-steps", "3", "--batch-size", "32", "--quiet", "--no-plot", "--no-tensorboard")
 
@@ -67,3 +69,19 @@ def test_a_resumed_run_records_its_resume(capsys, tmp_path):
     assert resumed["config"]["resume"] == "latest"
     assert json.loads(metrics.read_text())["start_step"] == 2
     assert "resumed from" in (checkpoints / RECORD_TOML).read_text().splitlines()[0]
+
+
+@pytest.mark.processes
+def test_a_ddp_run_records_its_processes_and_repeats_with_them(tmp_path):
+    first, again = tmp_path / "first.json", tmp_path / "again.json"
+    args = ("--strategy", "ddp", "--nproc-per-node", "2", "--model", "mlp", "--width", "16", "--depth", "1")
+    result = run_cli("train", *TINY, *args, "--log-dir", str(tmp_path / "a"), "--metrics-out", str(first))
+    assert result.returncode == 0, result.stderr
+    saved = tmp_path / "a" / RECORD_TOML
+    text = saved.read_text()
+    assert "# ddp on cpu, cpu (world size 2, backend gloo)" in text and "nproc-per-node = 2" in text
+    result = run_cli("train", "--config", str(saved), "--log-dir", str(tmp_path / "b"), "--metrics-out", str(again))
+    assert result.returncode == 0, result.stderr
+    a, b = json.loads(first.read_text()), json.loads(again.read_text())
+    assert b["world_size"] == 2 and b["environment"]["backend"] == "gloo"
+    assert a["model_fingerprint"] == b["model_fingerprint"]

@@ -25,6 +25,7 @@ from ..checkpoint import check_writable
 from ..environment import ClusterEnvironment
 from ..errors import TrainingError, TrainingInterrupted
 from ..files import is_stdout, remove_stale_temporaries
+from ..launch_config import LaunchConfig
 from ..parallel import Parallel, seed_everything
 from ..strategies import resolve_devices, resolve_strategy
 from .config import TrainConfig
@@ -72,10 +73,14 @@ def evaluate(par: Parallel, model: nn.Module, data: TensorData, batch_size: int 
     return float(counts[0]) / total if total else 0.0
 
 
-def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> TrainResult:
+def train(
+    config: TrainConfig, *, log: Callable[[str], None] | None = None, launcher: LaunchConfig | None = None
+) -> TrainResult:
     """Run the training job described by ``config``; see the module docstring for examples.
 
-    ``log`` receives every line the main process would print (default: stdout). The run computes with the CPU
+    ``log`` receives every line the main process would print (default: stdout). ``launcher``: the settings that
+    started this run's processes, when ``paratrain train`` launched them (recorded with the run, so that its
+    saved settings start as many processes again). The run computes with the CPU
     threads :func:`~paratrain.training.threads.choose_threads` picks (torch's setting is restored afterwards).
 
     Raises:
@@ -98,14 +103,17 @@ def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> T
             hang_report=config.hang_report_path(),
         ) as par,
     ):
-        return _Run(config, par, log).run()
+        return _Run(config, par, log, launcher).run()
 
 
 class _Run:
     """One training run: set-up, the epochs, checkpoints, and the result."""
 
-    def __init__(self, config: TrainConfig, par: Parallel, log: Callable[[str], None] | None) -> None:
+    def __init__(
+        self, config: TrainConfig, par: Parallel, log: Callable[[str], None] | None, launcher: LaunchConfig | None
+    ) -> None:
         self.config = config
+        self.launcher = launcher
         self.par = par
         self.wall_start = time.perf_counter()
         self.load_at_start = MachineLoad.now()
@@ -278,7 +286,9 @@ class _Run:
     def _write_run_record(self) -> None:
         """This invocation's settings and environment, beside the run's logs and checkpoints (main process)."""
         resumed = str(self.resume_path) if self.resume_path is not None else None
-        self.invocation = Invocation.now(self.config, self.par, resumed_from=resumed, start_step=self.pos.global_step)
+        self.invocation = Invocation.now(
+            self.config, self.par, resumed_from=resumed, start_step=self.pos.global_step, launcher=self.launcher
+        )
         if self.par.is_main:
             for directory in dict.fromkeys((self.config.log_dir, self.config.checkpoint_dir)):
                 if directory is not None:

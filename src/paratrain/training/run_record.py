@@ -3,8 +3,9 @@
     invocation = Invocation.now(config, par, resumed_from=None, start_step=0)
     invocation.write("runs/a")     # runs/a/paratrain-run.toml (the settings) and runs/a/paratrain-run.json
 
-``paratrain-run.toml`` is this invocation's resolved settings in the format ``--config`` reads, its header
-comments the environment: ``paratrain train --config runs/a/paratrain-run.toml`` runs the same job again, and
+``paratrain-run.toml`` is this invocation's resolved settings in the format ``--config`` reads (with the
+launcher's, ``nproc-per-node`` and the rest, when ``paratrain train`` started the ranks), its header comments the
+environment: ``paratrain train --config runs/a/paratrain-run.toml`` runs the same job again, and
 on the same machine and software reaches the same ``model_fingerprint`` (a test holds it to that).
 ``paratrain-run.json`` lists every invocation of the run in order, each with its settings, its environment and
 where it resumed from: a resumed run appends itself to the record the run's first invocation started.
@@ -23,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config_file import to_toml
 from ..errors import ConfigError
 from ..files import atomic_writer
+from ..launch_config import LaunchConfig
 from ..parallel import Parallel
 from ..version import __version__
 from .config import TrainConfig
@@ -65,11 +68,21 @@ class Invocation:
     resumed_from: str | None  # the checkpoint this invocation continued from; None for a fresh start
     start_step: int  # optimizer steps the run had done when this invocation began
     started_at: str  # UTC, ISO 8601
+    launch: dict[str, Any] | None = None  # the launcher's settings, when paratrain train started the processes
 
     @classmethod
-    def now(cls, config: TrainConfig, par: Parallel, *, resumed_from: str | None, start_step: int) -> Invocation:
+    def now(
+        cls,
+        config: TrainConfig,
+        par: Parallel,
+        *,
+        resumed_from: str | None,
+        start_step: int,
+        launcher: LaunchConfig | None = None,
+    ) -> Invocation:
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        return cls(config.to_dict(), environment(par), resumed_from, start_step, started)
+        launch = launcher.to_dict() if launcher is not None else None
+        return cls(config.to_dict(), environment(par), resumed_from, start_step, started, launch)
 
     def toml(self) -> str:
         """The settings as ``--config`` reads them, the environment and the start in the header's comments."""
@@ -84,7 +97,10 @@ class Invocation:
             f"{env['strategy']} on {', '.join(env['devices'])} (world size {env['world_size']}, backend "
             f"{env['backend'] or 'none'}){gpus}"
         )
-        return TrainConfig(**self.config).to_toml(header=header)
+        text = TrainConfig(**self.config).to_toml(header=header)
+        if self.launch is not None:  # the processes paratrain train started: the same number again
+            text += "\n" + to_toml(self.launch, header="processes and machines (torchrun), as this run's were started")
+        return text
 
     def write(self, directory: str | Path) -> None:
         """Write ``paratrain-run.toml`` and add this invocation to ``paratrain-run.json`` in ``directory``.
