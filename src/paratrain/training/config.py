@@ -43,7 +43,12 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
     warmup_steps: int = setting(
         0, "raise the learning rate linearly from 0 over the first N steps", check=at_least(0), metavar="N"
     )
-    log_every: int = setting(100, "print the loss every N steps", check=at_least(1), metavar="N")
+    log_every: int = setting(
+        100,
+        "print the log line every N steps: loss, gradient norm, learning rate, samples/s, step time, memory, FLOP/s",
+        check=at_least(1),
+        metavar="N",
+    )
     strategy: str = setting(
         "auto",
         "how to run: single (one device), dp (several devices, one process), ddp (one process per device); "
