@@ -169,3 +169,20 @@ def test_cuda_ddp_on_the_gpu_trains_like_one_gpu_after_a_pickle_round_trip(one_r
             opt.step()
     assert_close_lists(list(plain.parameters()), list(ddp.module.parameters()), atol=1e-5)
     ddp.close()
+
+
+def test_cuda_log_line_says_allocated_and_reserved_memory_and_mfu_where_the_peak_is_known(tmp_path):
+    from paratrain.training import TrainConfig, train
+    from paratrain.training.flops import peak_flops
+
+    lines: list[str] = []
+    result = train(
+        TrainConfig(epochs=1, max_steps=3, log_every=1, devices="cuda", precision="bf16-mixed"), log=lines.append
+    )
+    logged = [line for line in lines if line.startswith("Epoch 0, Step ")]
+    assert logged and all(" MiB allocated / reserved" in line and "rss" not in line for line in logged)
+    entry = result.logged_steps[-1]
+    assert entry["memory/allocated_mib"] > 0 and entry["memory/reserved_mib"] >= entry["memory/allocated_mib"]
+    known = peak_flops(torch.device("cuda:0"), "bf16-mixed") is not None
+    assert all(("| mfu " in line) == known for line in logged)  # MFU only where the GPU's peak is known
+    assert ("train/mfu" in entry) == known and entry["train/flops_per_s"] > 0

@@ -308,3 +308,16 @@ def test_empty_shares_leave_the_epoch_loss_finite(tmp_path):
         assert all(math.isfinite(loss) for loss in found["epoch_losses"])
         assert found["epoch_losses"] == pytest.approx(single.epoch_losses, abs=1e-6)
         assert found["test_accuracy"] == single.test_accuracy
+
+
+def test_one_process_backward_needs_a_prepared_model_to_have_run_forward():
+    """In one process the check costs one hook call: it removes itself after the first forward with autograd."""
+    with paratrain.Parallel("single", "cpu") as par:
+        model = par.prepare(nn.Linear(4, 2))
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            model(x)  # evaluation does not count
+        with pytest.raises(ConfigError, match=r"no model that par.prepare\(\) returned has run forward"):
+            par.backward(nn.Linear(4, 2)(x).sum())
+        par.backward(model(x).sum())
+        assert not model._forward_pre_hooks  # gone after the first forward that counted

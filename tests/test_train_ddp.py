@@ -137,7 +137,11 @@ def test_the_logged_loss_is_the_global_batchs_and_the_threads_are_each_workers_s
     result = subprocess.run([*cli_command(*args), "--metrics-out", str(out)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     (ddp_line,) = [line for line in result.stdout.splitlines() if line.startswith("Epoch 0, Step 0, Loss: ")]
-    assert float(ddp_line.split()[-1]) == pytest.approx(float(single_line.split()[-1]), rel=1e-6)
+
+    def loss(line: str) -> float:
+        return float(line.split("Loss: ")[1].split(" | ")[0])
+
+    assert loss(ddp_line) == pytest.approx(loss(single_line), rel=1e-6)
     assert "global batch 64 (32 per process)" in result.stdout
     metrics = _metrics(out)
     assert metrics["threads"] == max(1, (os.cpu_count() or 1) // 2)  # what the launcher gave each worker

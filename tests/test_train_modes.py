@@ -208,7 +208,7 @@ def test_without_extras_the_csv_is_still_written(monkeypatch, tmp_path):
         monkeypatch.setitem(sys.modules, package, None)
     logs = tmp_path / "logs"
     train(TrainConfig(epochs=1, log_dir=str(logs), tensorboard=False, plot=False, **SMALL))
-    assert sorted(p.name for p in logs.iterdir()) == ["metrics.csv"]
+    assert sorted(p.name for p in logs.iterdir()) == ["metrics.csv", "paratrain-run.json", "paratrain-run.toml"]
     assert {r["name"] for r in read_metrics(logs / "metrics.csv")} >= {"train/loss", "epoch/test_accuracy"}
 
 

@@ -27,8 +27,10 @@ import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
+from .config_file import read_config, to_toml
 from .errors import ConfigError
 
 __all__ = [
@@ -82,6 +84,21 @@ class Settings:
             for key, value in values.items()
         }
         return cls(**converted)
+
+    @classmethod
+    def from_file(cls: type[S], path: str | Path) -> S:
+        """An instance from a TOML settings file (keys are flag names: ``batch-size = 128``), as ``--config`` reads
+        it; settings the file leaves out keep their defaults.
+
+        Raises:
+            ConfigError: naming the file and the key: unreadable or invalid TOML, an unknown key, a wrong type, a
+                value the setting's check refuses.
+        """
+        return cls(**read_config(path, [cls]))
+
+    def to_toml(self, *, header: str = "") -> str:
+        """Every setting as a TOML settings file (what :meth:`from_file` and ``--config`` read back)."""
+        return to_toml(self.to_dict(), header=header)
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting as a plain value (what :meth:`from_dict` takes back)."""

@@ -1,6 +1,7 @@
 """The ``paratrain`` command: argument parsing only; every command calls the library.
 
 paratrain train                           # the MNIST DataParallel tutorial's job (see `paratrain train --help`)
+paratrain train --config run.toml --lr 0.1  # settings from a TOML file, the command line overriding it
 paratrain launch --nproc-per-node 2 x.py  # any script, through torchrun
 paratrain env                             # versions, GPUs, distributed backends
 paratrain demo --devices cpu,cpu,cpu      # the DataParallel tutorial's demo: how each batch is split
@@ -21,6 +22,7 @@ from typing import NoReturn
 from ..errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
 from ..version import __version__
 from .checkpoint import add_checkpoint_parser
+from .config import apply_config_file, printed_config
 from .demo import add_demo_parser
 from .env import add_env_parser
 from .launch import add_launch_parser
@@ -70,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = getattr(args, "unknown_hint", f" (see {prog} --help)")
         parser.exit(EXIT_USAGE, f"{prog}: error: unrecognized arguments: {' '.join(unknown)}{hint}\n")
     try:
+        args = apply_config_file(parser, raw, args)
+        if getattr(args, "print_config", False):
+            print(printed_config(args), end="")
+            return 0
         code: int = args.handler(args)
         return code
     except BrokenPipeError:

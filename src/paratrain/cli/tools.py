@@ -17,6 +17,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from .config import add_config_options
 from .options import add_options, from_args
 
 __all__ = ["TOOLS", "add_tool_parsers"]
@@ -71,7 +72,9 @@ def add_tool_parsers(commands: argparse._SubParsersAction) -> None:  # type: ign
     """One subcommand per tool, its flags generated from the tool's settings class."""
     for tool in TOOLS:
         parser = commands.add_parser(tool.command, help=tool.help, description=tool.description)
-        add_options(parser, getattr(importlib.import_module(tool.module), tool.settings))
+        settings = getattr(importlib.import_module(tool.module), tool.settings)
+        add_options(parser, settings)
+        add_config_options(parser, (settings,), tool.command)
         parser.set_defaults(handler=lambda args, tool=tool: _run(tool, args))
 
 

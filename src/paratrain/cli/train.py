@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from .config import add_config_options
 from .launch import add_launcher_options, launch_config, report_exit
 from .options import add_options, from_args
 
@@ -16,6 +17,7 @@ __all__ = ["add_train_parser"]
 
 
 def add_train_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from ..launch import LaunchConfig
     from ..training.config import TrainConfig
 
     tr = commands.add_parser(
@@ -28,6 +30,7 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     )
     add_options(tr, TrainConfig)
     add_launcher_options(tr)
+    add_config_options(tr, (TrainConfig, LaunchConfig), "train")
     tr.set_defaults(handler=_train)
 
 

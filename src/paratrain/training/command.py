@@ -86,7 +86,7 @@ def launch_train(config: TrainConfig, launcher: LaunchConfig) -> int:
     preflight(config)  # what every rank would otherwise find and report on its own
     with tempfile.TemporaryDirectory(prefix="paratrain-train-") as tmp:
         job = Path(tmp) / "job.json"
-        job.write_text(json.dumps({"config": config.to_dict()}))
+        job.write_text(json.dumps({"config": config.to_dict(), "launch": launcher.to_dict()}))
         try:
             return launch(launcher, "paratrain.training.worker", [str(job)], module=True, name="paratrain train")
         except KeyboardInterrupt:

@@ -20,6 +20,8 @@ from ..strategies import STRATEGY_NAMES
 from .logs import check_extras
 from .optimizers import LR_SCHEDULES
 from .settings import CollectiveSettings, DataSettings, ModelSettings, OptimizerSettings, StepSettings
+from .trackers import TRACKERS, check_trackers
+from .user_data import DATA_SPEC_HELP, check_data_spec
 
 __all__ = ["RESUME_MODES", "TrainConfig"]
 
@@ -30,6 +32,7 @@ RESUME_MODES = ("latest", "if-exists")
 class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSettings, ModelSettings):
     """Every setting of a training run; the defaults are the classic MNIST DataParallel tutorial's job."""
 
+    data: str | None = setting(None, DATA_SPEC_HELP, metavar="module:callable")
     epochs: int = setting(5, "passes over the training data", check=at_least(1))
     lr_schedule: str = setting(
         "constant",
@@ -40,7 +43,12 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
     warmup_steps: int = setting(
         0, "raise the learning rate linearly from 0 over the first N steps", check=at_least(0), metavar="N"
     )
-    log_every: int = setting(100, "print the loss every N steps", check=at_least(1), metavar="N")
+    log_every: int = setting(
+        100,
+        "print the log line every N steps: loss, gradient norm, learning rate, samples/s, step time, memory, FLOP/s",
+        check=at_least(1),
+        metavar="N",
+    )
     strategy: str = setting(
         "auto",
         "how to run: single (one device), dp (several devices, one process), ddp (one process per device), "
@@ -69,6 +77,14 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
         "write TensorBoard event files, metrics.csv and curves.png there (from rank 0 only)",
         metavar="DIR",
     )
+    log_with: list[str] | None = setting(
+        None,
+        "with --log-dir, also log to these trackers: mlflow (a file store in DIR/mlruns, or MLFLOW_TRACKING_URI; "
+        "needs paratrain[mlflow]), wandb (offline, in DIR/wandb; needs paratrain[wandb])",
+        check=lambda names: None if names is None or set(names) <= set(TRACKERS) else f"some of: {', '.join(TRACKERS)}",
+        nargs="+",
+        metavar="TRACKER",
+    )
     tensorboard: bool | None = setting(
         None, "with --log-dir, write TensorBoard event files (default: yes; needs paratrain[tensorboard])"
     )
@@ -83,7 +99,24 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
     )
     eval_batch_size: int = setting(1024, "samples per batch when measuring test accuracy", check=at_least(1))
 
+    @property
+    def dataset_name(self) -> str:
+        """The data the run uses: ``--data``'s callable, else the dataset named, else random or digits."""
+        return self.data if self.data is not None else super().dataset_name
+
     def check_group(self) -> None:
+        if self.data is not None:
+            pairs = (("--dataset", self.dataset), ("--input-shape", self.input_shape))
+            given = [f"{flag} {value}" for flag, value in pairs if value is not None]
+            if given:
+                raise ConfigError(
+                    f"--data {self.data} and {' and '.join(given)} both say where the data comes from; give one of them"
+                )
+            check_data_spec(self.data)
+        if self.log_with and self.log_dir is None:
+            raise ConfigError(f"--log-with {' '.join(self.log_with)} logs beside --log-dir's files; add --log-dir DIR")
+        if self.log_with:
+            check_trackers(self.log_with)
         for name, value in (("--tensorboard", self.tensorboard), ("--plot", self.plot)):
             if value and self.log_dir is None:
                 raise ConfigError(f"{name} writes into --log-dir; add --log-dir DIR")

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,14 +25,17 @@ from ..checkpoint import check_writable
 from ..environment import ClusterEnvironment
 from ..errors import TrainingError, TrainingInterrupted
 from ..files import is_stdout, remove_stale_temporaries
+from ..launch_config import LaunchConfig
 from ..parallel import Parallel, seed_everything
 from ..strategies import resolve_devices, resolve_strategy
 from .config import TrainConfig
 from .data import TensorData, parse_input_shape
 from .datasets import load_dataset
 from .fit import check_fits
+from .flops import peak_flops, step_flops
 from .interrupt import StopRequest, interrupted_message
 from .loader import DeviceLoader
+from .log_line import StepMeter
 from .logs import RunLog
 from .model_spec import build_model_spec
 from .optimizers import apply_settings, build_optimizer, build_scheduler, optimizer_settings
@@ -39,11 +43,14 @@ from .progress import Progress
 from .recovery import ProgressLog
 from .results import TrainResult, fingerprint, write_metrics
 from .resume import plan_start
+from .run_record import Invocation, environment
 from .state import Position, RunRecord, restore, save
 from .stepper import LossMeter, StepOutcome, Stepper
 from .threads import MachineLoad, choose_threads, using_threads
 from .timing import StepTimer, time_breakdown
+from .trackers import open_trackers
 from .tracking import Tracker
+from .user_data import load_user_data
 
 __all__ = ["evaluate", "train"]
 
@@ -66,10 +73,14 @@ def evaluate(par: Parallel, model: nn.Module, data: TensorData, batch_size: int 
     return float(counts[0]) / total if total else 0.0
 
 
-def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> TrainResult:
+def train(
+    config: TrainConfig, *, log: Callable[[str], None] | None = None, launcher: LaunchConfig | None = None
+) -> TrainResult:
     """Run the training job described by ``config``; see the module docstring for examples.
 
-    ``log`` receives every line the main process would print (default: stdout). The run computes with the CPU
+    ``log`` receives every line the main process would print (default: stdout). ``launcher``: the settings that
+    started this run's processes, when ``paratrain train`` launched them (recorded with the run, so that its
+    saved settings start as many processes again). The run computes with the CPU
     threads :func:`~paratrain.training.threads.choose_threads` picks (torch's setting is restored afterwards).
 
     Raises:
@@ -92,14 +103,17 @@ def train(config: TrainConfig, *, log: Callable[[str], None] | None = None) -> T
             hang_report=config.hang_report_path(),
         ) as par,
     ):
-        return _Run(config, par, log).run()
+        return _Run(config, par, log, launcher).run()
 
 
 class _Run:
     """One training run: set-up, the epochs, checkpoints, and the result."""
 
-    def __init__(self, config: TrainConfig, par: Parallel, log: Callable[[str], None] | None) -> None:
+    def __init__(
+        self, config: TrainConfig, par: Parallel, log: Callable[[str], None] | None, launcher: LaunchConfig | None
+    ) -> None:
         self.config = config
+        self.launcher = launcher
         self.par = par
         self.wall_start = time.perf_counter()
         self.load_at_start = MachineLoad.now()
@@ -124,14 +138,17 @@ class _Run:
         self.start = plan_start(config, self.checkpoints, self.continuing)
         self.resume_path = self.start.path
         shape = parse_input_shape(config.input_shape) if config.input_shape is not None else None
-        self.splits = load_dataset(
-            config.dataset_name,
-            config.data_dir,
-            verify=config.verify_data,
-            input_shape=shape,
-            num_classes=config.num_classes,
-            seed=config.seed,
-        )
+        if config.data is not None:
+            self.splits = load_user_data(config.data)
+        else:
+            self.splits = load_dataset(
+                config.dataset_name,
+                config.data_dir,
+                verify=config.verify_data,
+                input_shape=shape,
+                num_classes=config.num_classes,
+                seed=config.seed,
+            )
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
         model = build_model_spec(
             config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
@@ -187,6 +204,8 @@ class _Run:
             clip_grad_norm=config.clip_grad_norm,
             timer=self.timer,
         )
+        self.step_meter = self._step_meter(self.model)
+        self.logged_steps: list[dict[str, Any]] = []  # the log line's values, for the metrics file
         self.tracker = None
         if config.log_dir is not None:  # every process takes part in the logged values; the main one writes
             # the rows of every step the checkpoint covers (step indices 0 .. global_step - 1) are kept
@@ -195,7 +214,10 @@ class _Run:
             if par.is_main:
                 tensorboard, plot = config.tensorboard is not False, config.plot is not False
                 run_log = RunLog(config.log_dir, tensorboard=tensorboard, plot=plot, resume_step=resumed_at)
-            self.tracker = Tracker(par, run_log)
+            trackers = []
+            if par.is_main and config.log_with:
+                trackers = open_trackers(config.log_with, config.log_dir, config=config.to_dict(), name=config.log_dir)
+            self.tracker = Tracker(par, run_log, trackers)
         self.steps = self.samples = 0
         self.eval_seconds = self.checkpoint_seconds = 0.0
         self.epoch_losses: list[float] = []
@@ -203,6 +225,7 @@ class _Run:
         self.stop: StopRequest | None = None
         self.interrupted = False
         self.loop_start = 0.0
+        self.invocation: Invocation | None = None
 
     def say(self, line: str) -> None:
         if not self.config.quiet:
@@ -224,6 +247,7 @@ class _Run:
             f"Training {config.model} on {config.dataset_name} ({len(splits.train)} train / {len(splits.test)} test) "
             f"with {par.describe()}, global batch {config.batch_size}{per_process}, {epochs}"
         )
+        self._write_run_record()
         self.loop_start = time.perf_counter()
         try:
             with StopRequest(par) as self.stop:
@@ -249,6 +273,30 @@ class _Run:
             self.progress.write(where + result.summary())
         return result
 
+    def _step_meter(self, model: nn.Module) -> StepMeter:
+        """The log line's meter, with one count of a step's FLOPs (main process: the one that prints)."""
+        device_count = len(self.par.world_devices())  # a collective under ddp: every process asks
+        if not self.par.is_main:
+            return StepMeter(self.par.device, None, None)
+        config, data = self.config, self.splits.train
+        # FLOPs grow with the batch: count one process's share (or less) and scale to the global batch
+        share = min(-(-config.batch_size // self.par.world_size), len(data))
+        counted = step_flops(self.par.unwrap(model), data.inputs[:share].to(self.par.device))
+        flops = counted * config.batch_size / share if counted else None
+        peak = peak_flops(self.par.device, config.precision)
+        return StepMeter(self.par.device, flops, peak * device_count if peak is not None else None)
+
+    def _write_run_record(self) -> None:
+        """This invocation's settings and environment, beside the run's logs and checkpoints (main process)."""
+        resumed = str(self.resume_path) if self.resume_path is not None else None
+        self.invocation = Invocation.now(
+            self.config, self.par, resumed_from=resumed, start_step=self.pos.global_step, launcher=self.launcher
+        )
+        if self.par.is_main:
+            for directory in dict.fromkeys((self.config.log_dir, self.config.checkpoint_dir)):
+                if directory is not None:
+                    self.invocation.write(directory)
+
     def _epoch(self, epoch: int) -> bool:
         """Train one epoch (from ``pos.batch`` on); False when ``max_steps`` stopped the run."""
         config, par, pos, loader = self.config, self.par, self.pos, self.loader
@@ -259,28 +307,36 @@ class _Run:
         meter = LossMeter(par.device, pos.loss_sum, pos.loss_count)
         reached = False
         for i, batch in enumerate(self.timer.data(loader), start=pos.batch):
-            step = self.stepper(batch)
+            logged = i % config.log_every == 0
+            step = self.stepper(batch, measure_grad_norm=logged)
             meter.add(step.loss, step.samples)
             global_batch = loader.share.total
             self.samples += global_batch
             self.steps += 1
+            self.step_meter.add(global_batch)
             pos.global_step += 1
             self.recovery.step(pos.global_step)
-            logged = i % config.log_every == 0
             shown = self._logged_loss(step) if logged and not config.quiet else None
             self.progress.step(i, global_batch, step.loss if par.world_size == 1 else shown)
             if self.tracker is not None:
-                self.tracker.add(step, global_batch)
+                self.tracker.add(step)
             if logged:
-                if shown is not None:
-                    self.say(f"Epoch {epoch}, Step {i}, Loss: {shown}")
                 self.timer.flush()  # on a GPU: read the step timer's events (the loss above synchronised anyway)
+                entry = self.step_meter.log(
+                    step=pos.global_step - 1,  # the index of the step just done: epoch 0's equals Step below
+                    epoch=epoch,
+                    batch=i,
+                    loss=shown,
+                    lr=step.lr,
+                    grad_norm=float(step.grad_norm) if step.grad_norm is not None else None,
+                    seconds=self.timer.elapsed,
+                )
+                if shown is not None:
+                    self.say(entry.line())
+                self.logged_steps.append({"step": entry.step, "epoch": epoch, "loss": shown, **entry.values()})
                 if self.tracker is not None:
                     self.tracker.log_step(
-                        step=pos.global_step - 1,  # the index of the step just done: epoch 0's equals Step above
-                        epoch=epoch,
-                        skipped_steps=par.precision.skipped_steps,
-                        step_seconds=self.timer.elapsed,
+                        step=entry.step, epoch=epoch, skipped_steps=par.precision.skipped_steps, values=entry.values()
                     )
             reached = self._reached_max_steps()
             assert self.stop is not None
@@ -410,6 +466,11 @@ class _Run:
             threads=torch.get_num_threads(),
             cores=load.cores,
             load_average=load.load_average,
+            config=self.config.to_dict(),
+            environment=self.invocation.environment if self.invocation is not None else environment(par),
+            start_step=self.invocation.start_step if self.invocation is not None else pos.global_step,
+            step_flops=self.step_meter.step_flops,
+            logged_steps=self.logged_steps,
         )
 
 

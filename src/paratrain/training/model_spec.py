@@ -37,30 +37,30 @@ def is_model_spec(spec: str) -> bool:
     return ":" in spec
 
 
-def check_model_spec(spec: str) -> Callable[..., Any]:
-    """The callable ``spec`` names, imported but not called.
+def check_model_spec(spec: str, flag: str = "--model", example: str = "mynets:build_model") -> Callable[..., Any]:
+    """The callable ``spec`` names, imported but not called (``flag`` names the setting in errors).
 
     Raises:
         ConfigError: a malformed spec, a module that cannot be imported, a missing or non-callable attribute.
     """
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute or ":" in attribute:
-        raise ConfigError(f"--model {spec}: expected module.path:callable, such as mynets:build_model")
+        raise ConfigError(f"{flag} {spec}: expected module.path:callable, such as {example}")
     with _cwd_importable():
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:  # anything the user's module raises while importing is a usage problem
             raise ConfigError(
-                f"--model {spec}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); check the module "
+                f"{flag} {spec}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); check the module "
                 f"path and that it imports (from {os.getcwd()})"
             ) from exc
     target: Any = module
     for part in attribute.split("."):
         if not hasattr(target, part):
-            raise ConfigError(f"--model {spec}: module {module_name!r} has no attribute {attribute!r}")
+            raise ConfigError(f"{flag} {spec}: module {module_name!r} has no attribute {attribute!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise ConfigError(f"--model {spec}: {attribute!r} is a {type(target).__name__}, not a callable")
+        raise ConfigError(f"{flag} {spec}: {attribute!r} is a {type(target).__name__}, not a callable")
     return target  # type: ignore[no-any-return]
 
 

@@ -18,6 +18,7 @@ from .data import parse_input_shape
 from .datasets import dataset_shape, load_dataset
 from .fit import check_fits
 from .model_spec import build_model_spec
+from .user_data import load_user_data
 
 __all__ = ["preflight"]
 
@@ -29,8 +30,12 @@ def preflight(config: TrainConfig) -> None:
         ConfigError: a model that cannot be built, or does not take the dataset's inputs.
         DataError: MNIST files missing from ``--data-dir`` that cannot be downloaded, or corrupt.
     """
-    given = parse_input_shape(config.input_shape) if config.input_shape is not None else None
-    shape, classes = dataset_shape(config.dataset_name, given, config.num_classes)
+    if config.data is not None:  # the user's callable, called once here: its errors are reported once
+        splits = load_user_data(config.data)
+        shape, classes = splits.input_shape, splits.num_classes
+    else:
+        given = parse_input_shape(config.input_shape) if config.input_shape is not None else None
+        shape, classes = dataset_shape(config.dataset_name, given, config.num_classes)
     try:
         with torch.device("meta"):
             model = build_model_spec(config.model, shape, classes, width=config.width, depth=config.depth)

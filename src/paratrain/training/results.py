@@ -76,6 +76,11 @@ class TrainResult:
     threads: int = 0  # torch's intra-op CPU threads per process (training/threads.py chose them)
     cores: int = 0  # the machine's
     load_average: float | None = None  # the machine's over one minute, the higher of the run's start and end
+    config: dict[str, Any] = field(default_factory=dict)  # the settings it ran with (TrainConfig.to_dict())
+    environment: dict[str, Any] = field(default_factory=dict)  # versions, devices, world size, backend
+    start_step: int = 0  # optimizer steps the run had done when this invocation began (0, or where it resumed)
+    step_flops: float | None = None  # FLOPs of one optimizer step over every process (counted once); None: uncounted
+    logged_steps: list[dict[str, Any]] = field(default_factory=list)  # the log line's values at each logged step
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

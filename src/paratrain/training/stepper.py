@@ -11,6 +11,7 @@ steps that were applied (``16-mixed`` skips steps whose gradients overflow), so 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ class StepOutcome:
     samples: int  # this process's samples of the step
     lr: float  # the learning rate the step used
     applied: bool  # False when the precision skipped the step (inf/nan gradients)
-    grad_norm: torch.Tensor | None  # the global gradient norm before clipping, when clipping
+    grad_norm: torch.Tensor | None  # the global gradient norm before clipping, when clipping or measured
 
     @property
     def loss_sum(self) -> torch.Tensor:
@@ -105,7 +106,9 @@ class Stepper:
         own = type(optimizer).zero_grad is torch.optim.Optimizer.zero_grad
         self._params = [p for group in optimizer.param_groups for p in group["params"]] if own else None
 
-    def __call__(self, batch: Any) -> StepOutcome:
+    def __call__(self, batch: Any, *, measure_grad_norm: bool = False) -> StepOutcome:
+        """One optimizer step on ``batch``; ``measure_grad_norm``: report the gradient's norm even without clipping
+        (the job asks at logged steps only: the norm reads every gradient)."""
         par, timer = self.par, self.timer
         if self.accumulate == 1:
             images, labels = batch
@@ -121,6 +124,8 @@ class Stepper:
         grad_norm = None
         if self.clip_grad_norm is not None:
             grad_norm = par.clip_grad_norm_(self.model, self.clip_grad_norm)
+        elif measure_grad_norm:  # an infinite bound clips nothing: the norm, with 16-mixed's unscaling, and no more
+            grad_norm = par.clip_grad_norm_(self.model, math.inf)
         applied = par.step(self.optimizer)
         if applied and self.scheduler is not None:
             self.scheduler.step()

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc-per-node 2 -m paratrain.training.worker JOB.json
 
-JOB.json holds the run's settings (``{"config": TrainConfig.to_dict()}``), written by
+JOB.json holds the run's settings (``{"config": TrainConfig.to_dict(), "launch": LaunchConfig.to_dict()}``), written by
 :func:`paratrain.training.command.launch_train`. Errors are reported as the command reports them (one line,
 exit 2 for a usage error, 1 for a runtime error) and recorded for the launcher's summary; a run stopped by
 Ctrl-C exits 130 (rank 0 said where it stopped); a closed stdout ends the rank quietly with 141.
@@ -19,6 +19,7 @@ from typing import NoReturn
 from ..environment import ClusterEnvironment
 from ..errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
 from ..failures import record_error
+from ..launch_config import LaunchConfig
 from .config import TrainConfig
 from .job import train
 from .progress import stdout_closed
@@ -28,8 +29,10 @@ EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 def main(argv: list[str]) -> int:
     try:
-        config = TrainConfig.from_dict(json.loads(Path(argv[0]).read_text())["config"], source=argv[0])
-        train(config)
+        job = json.loads(Path(argv[0]).read_text())
+        config = TrainConfig.from_dict(job["config"], source=argv[0])
+        launcher = LaunchConfig.from_dict(job["launch"], source=argv[0]) if "launch" in job else None
+        train(config, launcher=launcher)
     except ConfigError as exc:
         return _failed(exc, EXIT_USAGE)
     except CollectiveError as exc:
