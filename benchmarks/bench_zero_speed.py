@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_common import print_table, write_json
+from bench_ddp import mlp  # the 784-WIDTHxDEPTH-10 MLP bench_ddp times
 from torch import nn
 
 from paratrain.distributed import DistributedDataParallel
@@ -43,15 +44,6 @@ from paratrain.zero import ZeroDataParallel
 
 MODES = ("local", "ddp", "zero1", "zero2")
 TARGET_RATIO = 1.05
-
-
-def mlp(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(784, width), nn.ReLU()]
-    for _ in range(depth - 1):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, 10))
-    return nn.Sequential(*layers)
 
 
 def stepper(mode: str, width: int, depth: int, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:

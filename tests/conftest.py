@@ -161,3 +161,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     _unit_test.clear()
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo process group in this process (a HashStore: no port, no other process), for a module."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
@@ -37,14 +36,6 @@ def test_sgd_without_momentum_keeps_no_state():
     assert all(r.optimizer == 0 for r in rows)
     with_momentum = memory_rows(_mlp(), "sgd", 0.9, [2], lambda n: 0)
     assert {r.strategy: r.optimizer > 0 for r in with_momentum} == {"ddp": True, "zero1": True, "zero2": True}
-
-
-@pytest.fixture(scope="module")
-def group():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _held(tensors) -> int:

@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain.collectives import CollectiveMonitor
 from paratrain.errors import DistributedError
 from paratrain.reducer import Reducer
-
-
-@pytest.fixture(scope="module")
-def group():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @pytest.fixture

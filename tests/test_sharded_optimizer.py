@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
@@ -19,14 +18,6 @@ from paratrain.errors import ConfigError
 from paratrain.shard_checkpoint import LocalSlices, Owned
 from paratrain.sharded_optimizer import ShardedOptimizer, check_elementwise, shard_optimizer
 from paratrain.zero import ZeroDataParallel
-
-
-@pytest.fixture(scope="module")
-def group():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _model() -> nn.Module:
