@@ -24,15 +24,14 @@ After a collective timed out, this process's group holds a collective that will 
 group (explicitly, or when the interpreter exits and the last reference goes) joins gloo's threads, which wait for
 that collective until the peer answers or the group's own timeout (30 minutes by default) passes, so the process
 would outlive its error by that long. The error is a :class:`CollectiveError`, the monitor keeps it as
-:attr:`CollectiveMonitor.failure`, and the group is kept alive to the end of the process (:func:`keep_forever`):
+:attr:`CollectiveMonitor.failure`, and the group is kept alive to the end of the process
+(:func:`paratrain.process_groups.keep_forever`):
 the exception reaches the user's script, the process exits as any failing script does, and the launcher stops
 the other ranks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import faulthandler
 import itertools
 import os
@@ -40,114 +39,24 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .board import Board
-from .errors import CollectiveError, DistributedError
+from .errors import CollectiveError
 from .hang_report import Answerer, HangReport, gather
 from .mismatch import RING, WINDOW, call_site, divergence, first_drift
+from .process_groups import default_store, group_sequence, keep_forever, to_seconds, wait_work
 from .stacks import arm_signal_dump
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "CollectiveMonitor",
-    "group_sequence",
-    "keep_forever",
-    "no_python_in_work",
-    "to_seconds",
-    "wait_work",
-]
+__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor"]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the other ranks, everywhere in paratrain
 DEFAULT_REPORT = "paratrain-hang-report.json"  # where a hang report goes unless told (the current directory)
 EXIT_COLLECTIVE_FAILED = 1
-
-
-def to_seconds(timeout: float | timedelta | None) -> float | None:
-    """A timeout as seconds (``None``: wait forever); rejects zero, negative and non-finite values."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if not 0 < seconds < float("inf"):
-        raise DistributedError(
-            f"timeout must be a positive, finite number of seconds or a timedelta; found {timeout!r}"
-        )
-    return seconds
-
-
-def wait_work(work: Any, timeout: float | None) -> bool:
-    """Wait for a ``Work`` with the backend's own timeout; False when it timed out, other failures raise."""
-    try:
-        work.wait() if timeout is None else work.wait(timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            return False
-        raise
-    return True
-
-
-_TLS_KEY = "context"  # torch's backward stashes contextvars.copy_context() in thread-local storage under this
-_HAS_TLS_API = all(
-    hasattr(torch._C, name)
-    for name in ("_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls", "_stash_obj_in_tls")
-)
-
-
-@contextlib.contextmanager
-def no_python_in_work() -> Iterator[None]:
-    """Launch collectives whose ``Work`` holds no Python object.
-
-    A gloo ``Work`` copies the thread-local state when it is created; inside backward (where the reducer launches
-    its buckets) that state holds the Python ``contextvars.Context`` torch stashed for the backward. Gloo's own
-    thread usually drops the last reference to a finished Work, and freeing that Context takes the GIL: if the
-    interpreter is finalizing by then, CPython ends the thread with ``pthread_exit``, whose unwinding through
-    the Work's ``noexcept`` destructor calls ``std::terminate`` ("terminate called without an active
-    exception"): a finished job's worker dies with SIGABRT. Hiding the stash while the collective is enqueued
-    leaves nothing in the Work that needs the GIL. (torch's own DDP launches from C++ without the stash.)
-    """
-    if not (_HAS_TLS_API and torch._C._is_key_in_tls(_TLS_KEY)):
-        yield
-        return
-    stashed = torch._C._get_obj_in_tls(_TLS_KEY)
-    torch._C._remove_obj_from_tls(_TLS_KEY)
-    try:
-        yield
-    finally:
-        torch._C._stash_obj_in_tls(_TLS_KEY, stashed)
-
-
-def keep_forever(group: Any) -> None:
-    """Never destroy ``group``: it holds a collective that will not complete (see the module docstring).
-
-    HACK: one reference more than anything will release (the C API's Py_IncRef), so the group's destructor,
-    which would join gloo's threads blocked in the lost collective, never runs; the operating system reclaims
-    it with the process. tests/test_hangs.py checks that a job with a stalled rank still ends promptly (it fails
-    if a torch upgrade brings a destructor that waits elsewhere).
-    """
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-
-
-def group_sequence(group: Any) -> int:
-    """How many collectives ``group`` has run (torch counts them per group; equal on every rank at the same
-    point of a correct program). 0 when the group does not count."""
-    counter = getattr(group, "_get_sequence_number_for_group", None)
-    try:
-        return int(counter()) if counter is not None else 0
-    except RuntimeError:
-        return 0
-
-
-def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # a process group without a store: timeouts still work, without rank names
-        return None
 
 
 @dataclass
@@ -204,7 +113,7 @@ class CollectiveMonitor:
         self._dump = arm_signal_dump()  # a rank stuck in native code can still show its stacks
         if not faulthandler.is_enabled():  # a backend that aborts the process (gloo on mismatched sizes) shows where
             faulthandler.enable(all_threads=True)
-        store = _default_store() if self.timeout is not None else None
+        store = default_store() if self.timeout is not None else None
         global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self._board = None
         self._answerer: Answerer | None = None

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import group_sequence, wait_work
 from .devices import DeviceLike, parse_device
 from .errors import ConfigError, DeviceError, DistributedError
+from .process_groups import group_sequence, wait_work
 
 __all__ = [
     "agree_at_start_up",

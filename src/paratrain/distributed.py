@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, group_sequence, to_seconds
+from .collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from .comm_hooks import CommHook
 from .ddp_setup import (
     agree_at_start_up,
@@ -40,6 +40,7 @@ from .ddp_setup import (
 from .devices import DeviceLike
 from .errors import ConfigError, DistributedError
 from .join import Join
+from .process_groups import group_sequence, to_seconds
 from .reducer import Reducer
 from .tree import map_tensors
 

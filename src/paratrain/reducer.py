@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from .buckets import Bucket, assign_buckets
-from .collectives import CollectiveMonitor, no_python_in_work
+from .collectives import CollectiveMonitor
 from .comm_hooks import CommHook, GradBucket
 from .errors import DistributedError
+from .process_groups import no_python_in_work
 from .profiling import phase
 from .tree import flatten
 

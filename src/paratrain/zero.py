@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import DEFAULT_TIMEOUT_S, no_python_in_work
+from .collectives import DEFAULT_TIMEOUT_S
 from .devices import DeviceLike
 from .distributed import DistributedDataParallel
 from .errors import ConfigError, DistributedError
 from .grad_norm import norm_terms
+from .process_groups import no_python_in_work
 from .reducer import Reducer
 from .sharded_optimizer import OwnedPiece
 from .sharding import BucketShards, shard_bucket

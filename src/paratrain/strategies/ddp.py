@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor, group_sequence
+from ..collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from ..distributed import DistributedDataParallel
 from ..environment import ClusterEnvironment
 from ..errors import ConfigError
 from ..flight_recorder import small_buffer_unless_set
 from ..grad_norm import clip_with_norm, norm_terms
+from ..process_groups import group_sequence
 from ..scatter_gather import shard
 from .base import ReduceOp, Strategy
 

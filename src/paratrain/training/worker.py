@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     # the interpreter's teardown. Native threads that outlive it (gloo's, the store's) may still drop the last
     # reference to a Python object then, which kills the process with SIGABRT ("terminate called without an active
     # exception") and turns a finished job into a failed one. The library avoids every such object it knows of
-    # (collectives.no_python_in_work); this is the worker's guard for the rest.
+    # (process_groups.no_python_in_work); this is the worker's guard for the rest.
     _leave(0)
 
 
