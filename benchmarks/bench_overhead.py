@@ -213,7 +213,10 @@ def run(mode: str, quick: bool, workdir: Path) -> float:
         return float(json.loads(metrics.read_text())["samples_per_second"])
     else:
         command = [sys.executable, *me]
-    subprocess.run(command, check=True, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(command, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:  # say why, instead of a CalledProcessError with the worker's words thrown away
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise SystemExit(f"bench_overhead: the {mode} worker exited with code {done.returncode}:\n{tail}")
     return float(json.loads(out.read_text()))
 
 
