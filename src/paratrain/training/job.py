@@ -303,8 +303,11 @@ class _Run:
         loader.set_epoch(epoch)
         loader.skip(pos.batch)
         self.progress.start_epoch(epoch, config.epochs, len(loader), pos.batch)
-        # the epoch's loss so far, summed over this process's samples; read back only when needed (a GPU sync)
-        meter = LossMeter(par.device, pos.loss_sum, pos.loss_count)
+        # the epoch's loss so far, summed over this process's samples; read back only when needed (a GPU sync).
+        # A resumed position holds every process's sum so far: only one process carries it on, or the sum over
+        # processes would count it once per process
+        carried = par.is_main
+        meter = LossMeter(par.device, pos.loss_sum if carried else 0.0, pos.loss_count if carried else 0)
         reached = False
         for i, batch in enumerate(self.timer.data(loader), start=pos.batch):
             logged = i % config.log_every == 0
