@@ -32,9 +32,18 @@ def test_the_first_ctrl_c_stops_after_this_step_and_the_second_leaves_now():
 
 
 def test_what_an_interrupted_run_says(tmp_path):
+    (tmp_path / "epoch-0001-step-000007.pt").write_bytes(b"")  # the checkpoint the stop just wrote
     saved = interrupted_message(30, 1, 7, tmp_path)
     assert saved == (
         f"Interrupted: stopped after step 30 (epoch 1, batch 7) and saved {tmp_path}/epoch-0001-step-000007.pt; "
         "the same command with --resume continues from there"
     )
     assert "nothing was saved (no --checkpoint-dir)" in interrupted_message(30, 1, 7, None)
+
+
+def test_an_interrupted_sharded_run_names_its_checkpoint_directory(tmp_path):
+    """zero1/zero2 save a directory of every rank's slices: the message names it, not a .pt file beside it."""
+    sharded = tmp_path / "epoch-0000-step-000364"
+    sharded.mkdir()
+    (sharded / "index.pt").write_bytes(b"")
+    assert f"and saved {sharded};" in interrupted_message(364, 0, 364, tmp_path)

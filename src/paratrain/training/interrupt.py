@@ -31,8 +31,9 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from ..checkpoint import checkpoint_name
+from ..checkpoint import latest_checkpoint
 from ..parallel import Parallel
+from ..process_groups import default_store
 
 __all__ = ["AGREE_WITHIN_S", "StopRequest", "interrupted_message"]
 
@@ -64,7 +65,7 @@ class StopRequest:
                 signal.signal(signal.SIGINT, self._on_signal)
                 self._installed = True
         if self._distributed:
-            self._store = _default_store()
+            self._store = default_store()
             if self._store is not None:
                 self._watcher = threading.Thread(target=self._watch, name="paratrain-stop-watch", daemon=True)
                 self._watcher.start()
@@ -126,15 +127,5 @@ def interrupted_message(steps_done: int, epoch: int, batch: int, checkpoints: Pa
     where = f"after step {steps_done} (epoch {epoch}, batch {batch})"
     if checkpoints is None:
         return f"Interrupted: stopped {where}; nothing was saved (no --checkpoint-dir), so a new run starts over"
-    saved = checkpoints / checkpoint_name(epoch, batch)
+    saved = latest_checkpoint(checkpoints)  # the one just written: a file, or a directory of every rank's slices
     return f"Interrupted: stopped {where} and saved {saved}; the same command with --resume continues from there"
-
-
-def _default_store() -> Any:
-    """The process group's key-value store (torch keeps it private; paratrain's collectives read it too)."""
-    try:
-        import torch.distributed as dist
-
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # no process group, or one without a store: stop where this rank is
-        return None
