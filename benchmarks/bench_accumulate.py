@@ -46,7 +46,7 @@ from bench_common import print_table, write_json
 from torch.nn import functional as F
 
 import paratrain
-from paratrain.accumulation import cut, micro_sizes
+from paratrain.loop.accumulation import cut, micro_sizes
 from paratrain.training.models import MLP
 
 

@@ -23,7 +23,7 @@ from bench_common import median, print_table, sgd_step, time_call, write_json
 from torch import nn
 
 from paratrain import DataParallel
-from paratrain.replicate import Replicator
+from paratrain.dp.replicate import Replicator
 from paratrain.training.models import SimpleNet
 
 

@@ -48,7 +48,7 @@ import torch.multiprocessing as mp
 from bench_common import print_table, sgd_step, write_json
 from torch import nn
 
-from paratrain.distributed import DistributedDataParallel
+from paratrain.ddp.distributed import DistributedDataParallel
 
 TARGET_STEP_RATIO = 1.0
 TARGET_BANDWIDTH_RATIO = 0.9

@@ -150,7 +150,7 @@ def _torch_ddp(quick: bool, out: Path) -> float:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from paratrain.scatter_gather import shard
+    from paratrain.dp.scatter_gather import shard
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -26,7 +26,7 @@ from bench_common import print_table, sync, write_json
 from torch.nn import functional as F
 
 import paratrain
-from paratrain.precision import PRECISIONS
+from paratrain.loop.precision import PRECISIONS
 from paratrain.training.models import MLP
 
 

@@ -38,9 +38,9 @@ from bench_common import print_table, write_json
 from bench_ddp import mlp  # the 784-WIDTHxDEPTH-10 MLP bench_ddp times
 from torch import nn
 
-from paratrain.distributed import DistributedDataParallel
-from paratrain.sharded_optimizer import shard_optimizer
-from paratrain.zero import ZeroDataParallel
+from paratrain.ddp.distributed import DistributedDataParallel
+from paratrain.sharded.optimizer import shard_optimizer
+from paratrain.sharded.zero import ZeroDataParallel
 
 MODES = ("local", "ddp", "zero1", "zero2")
 TARGET_RATIO = 1.05

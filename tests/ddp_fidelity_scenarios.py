@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from paratrain.distributed import DistributedDataParallel as Ours
+from paratrain.ddp.distributed import DistributedDataParallel as Ours
 from paratrain.errors import DistributedError
 
 TorchDDP = nn.parallel.DistributedDataParallel

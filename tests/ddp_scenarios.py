@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from paratrain.comm_hooks import bf16_compress_hook, fp16_compress_hook
-from paratrain.distributed import DistributedDataParallel as DDP
+from paratrain.ddp.comm_hooks import bf16_compress_hook, fp16_compress_hook
+from paratrain.ddp.distributed import DistributedDataParallel as DDP
+from paratrain.dp.scatter_gather import shard
 from paratrain.errors import DistributedError
-from paratrain.scatter_gather import shard
 
 BATCH = 10  # over 3 ranks: slices of 4, 3, 3
 

@@ -14,8 +14,8 @@ from torch.nn import functional as F
 import paratrain
 from accumulation_scenarios import LR, data, ddp_modes, loop, plain
 from ddp_scenarios import mlp
-from paratrain.accumulation import micro_sizes
 from paratrain.errors import ConfigError
+from paratrain.loop.accumulation import micro_sizes
 from processes import run_ranks
 
 WORLD = 2

@@ -13,7 +13,7 @@ import pytest
 
 import paratrain
 from paratrain.cli import build_parser
-from paratrain.launch import LaunchConfig
+from paratrain.launch.launcher import LaunchConfig
 from paratrain.settings import flag_of
 from paratrain.tools import BenchConfig, PlanConfig, VerifyConfig
 from paratrain.training import TrainConfig
@@ -53,7 +53,7 @@ def test_import_paratrain_loads_the_engine_only():
     code = "import sys, json, paratrain; print(json.dumps(sorted(sys.modules)))"
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     ours = [m for m in loaded if m.startswith("paratrain")]
-    assert "paratrain.distributed" in ours and "paratrain.parallel" in ours  # the check can see our modules
+    assert "paratrain.ddp.distributed" in ours and "paratrain.parallel" in ours  # the check can see our modules
     application = [m for m in ours if m.split(".")[1:2] and m.split(".")[1] in (*APPLICATION, "models")]
     assert application == []
 

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, Weighte
 from torch.utils.data._utils.collate import default_collate
 
 import paratrain
-from paratrain.batched import batched_view, why_not_batched
+from paratrain.loop.batched import batched_view, why_not_batched
 
 N = 103  # not a multiple of the batch: the last batch is short
 

@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from paratrain.board import Board
+from paratrain.diagnostics.board import Board
 
 
 class DictStore:

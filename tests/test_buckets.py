@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.buckets import FIRST_BUCKET_BYTES, assign_buckets
+from paratrain.ddp.buckets import FIRST_BUCKET_BYTES, assign_buckets
 from paratrain.errors import ConfigError
 
 MB = 1024 * 1024

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain import checkpoint as ckpt
-from paratrain.checkpoint import (
+from paratrain.checkpoint import file as ckpt
+from paratrain.checkpoint.file import (
     FORMAT,
     FORMAT_VERSION,
     check_writable,
@@ -28,8 +28,8 @@ from paratrain.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from paratrain.checkpoint.rng import rng_state, set_rng_state
 from paratrain.errors import CheckpointError, ConfigError
-from paratrain.rng import rng_state, set_rng_state
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -202,7 +202,7 @@ def test_process_killed_mid_write_keeps_previous_file(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
         import os, sys, torch
-        from paratrain.checkpoint import save_checkpoint
+        from paratrain.checkpoint.file import save_checkpoint
 
         class Dying(torch.Tensor):
             def __reduce_ex__(self, protocol):

@@ -193,7 +193,7 @@ def test_torchs_own_suite_runs_against_our_class_in_every_rank(tmp_path):
     for r in found["ranks"]:
         # both classes' constructors and forwards are counted: only ours ran, as the test wrote it (1 model, 2 steps)
         assert r["calls"] == {"torch init": 0, "torch forward": 0, "ours init": 1, "ours forward": 2}, r
-        assert set(r["resolved"].values()) == {"paratrain.distributed.DistributedDataParallel"}
+        assert set(r["resolved"].values()) == {"paratrain.ddp.distributed.DistributedDataParallel"}
     assert f"{name}  -      PASS" in done.stdout
 
 

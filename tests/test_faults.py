@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from paratrain.checkpoint.file import latest_checkpoint, list_checkpoints, load_checkpoint
 from paratrain.training import TrainConfig, train
 from processes import cli_command, descendants, finish, free_port, run_cli, start_cli, worker_with_rank
 

@@ -20,7 +20,7 @@ import pytest
 from paratrain.cli import main as cli_main
 from paratrain.cli.launch import add_launch_parser
 from paratrain.errors import ConfigError, DistributedError
-from paratrain.launch import LaunchConfig, launch, local_world_size, torchrun_args
+from paratrain.launch.launcher import LaunchConfig, launch, local_world_size, torchrun_args
 from processes import cli_command, free_port
 
 PROBE = str(Path(__file__).parent / "scripts" / "dist_probe.py")

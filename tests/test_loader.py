@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paratrain.dp.scatter_gather import shard, split_sizes
 from paratrain.errors import ConfigError
-from paratrain.scatter_gather import shard, split_sizes
 from paratrain.training.data import TensorData
 from paratrain.training.datasets import load_dataset
 from paratrain.training.loader import DeviceLoader

@@ -288,7 +288,7 @@ def test_backward_without_a_prepared_model_says_to_prepare_it():
 
 
 def test_the_global_batch_note_gives_the_shares_and_the_batch_to_give():
-    from paratrain.prepared import global_batch_note
+    from paratrain.loop.prepared import global_batch_note
 
     data = TensorDataset(torch.zeros(10, 2))
     assert global_batch_note(DataLoader(data, batch_size=30), 4) == (

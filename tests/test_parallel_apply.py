@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from paratrain.dp.parallel_apply import ThreadState, WorkerPool, parallel_apply
+from paratrain.dp.scatter_gather import Scattered
 from paratrain.errors import ReplicaError
-from paratrain.parallel_apply import ThreadState, WorkerPool, parallel_apply
-from paratrain.scatter_gather import Scattered
 
 CPU = torch.device("cpu")
 

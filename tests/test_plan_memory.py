@@ -7,11 +7,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from paratrain.distributed import DistributedDataParallel
+from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.errors import ConfigError
-from paratrain.sharded_optimizer import shard_optimizer
+from paratrain.sharded.optimizer import shard_optimizer
+from paratrain.sharded.zero import ZeroDataParallel
 from paratrain.tools.plan_memory import activation_bytes, memory_rows, parse_bytes, smallest_fit
-from paratrain.zero import ZeroDataParallel
 
 
 def _mlp(width: int = 512) -> nn.Module:

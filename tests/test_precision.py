@@ -10,7 +10,7 @@ from torch.nn import functional as F
 import paratrain
 from ddp_scenarios import mlp
 from paratrain.errors import ConfigError
-from paratrain.precision import PRECISIONS, select_precision
+from paratrain.loop.precision import PRECISIONS, select_precision
 
 
 def _inner_dtypes(model: nn.Module) -> list[torch.dtype]:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain.collectives import CollectiveMonitor
+from paratrain.comm.collectives import CollectiveMonitor
+from paratrain.ddp.reducer import Reducer
 from paratrain.errors import DistributedError
-from paratrain.reducer import Reducer
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from paratrain.dp.replicate import Replicator, replicate
 from paratrain.errors import ConfigError
-from paratrain.replicate import Replicator, replicate
 
 CPU = torch.device("cpu")
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from paratrain.dp.scatter_gather import check_chunk_sizes, gather, scatter, split_sizes
 from paratrain.errors import ConfigError, GatherError, ScatterError
-from paratrain.scatter_gather import check_chunk_sizes, gather, scatter, split_sizes
 
 CPU = torch.device("cpu")
 Out = namedtuple("Out", ["logits", "aux"])

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from paratrain.errors import ConfigError
-from paratrain.launch import LaunchConfig
+from paratrain.launch.launcher import LaunchConfig
 from paratrain.settings import Settings, at_least, flag_of, one_of, setting
 from paratrain.tools import BenchConfig, PlanConfig, VerifyConfig
 from paratrain.training import TrainConfig

@@ -14,11 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-import paratrain.shard_checkpoint as shard_checkpoint
-from paratrain.buckets import Bucket
-from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints
-from paratrain.errors import CheckpointError
-from paratrain.shard_checkpoint import (
+import paratrain.checkpoint.sharded as shard_checkpoint
+from paratrain.checkpoint.file import latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints
+from paratrain.checkpoint.sharded import (
     LocalSlices,
     Owned,
     StoredTensor,
@@ -28,7 +26,9 @@ from paratrain.shard_checkpoint import (
     read_plain,
     save_sharded,
 )
-from paratrain.sharding import shard_bucket
+from paratrain.ddp.buckets import Bucket
+from paratrain.errors import CheckpointError
+from paratrain.sharded.partition import shard_bucket
 
 SHAPES = {"w": (5, 7), "b": (7,), "v": (3, 3, 2)}  # one bucket: w, b, v back to back
 
@@ -240,7 +240,7 @@ def test_listing_pruning_and_loading_know_sharded_checkpoints(tmp_path):
 
 
 def test_consolidate_writes_the_state_one_process_saves(tmp_path):
-    from paratrain.consolidate import consolidate
+    from paratrain.checkpoint.consolidate import consolidate
 
     whole = _whole()
     path = _save_as(3, tmp_path, "epoch-0003-step-000100", whole)

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from paratrain.checkpoint.sharded import LocalSlices, Owned
 from paratrain.errors import ConfigError
-from paratrain.shard_checkpoint import LocalSlices, Owned
-from paratrain.sharded_optimizer import ShardedOptimizer, check_elementwise, shard_optimizer
-from paratrain.zero import ZeroDataParallel
+from paratrain.sharded.optimizer import ShardedOptimizer, check_elementwise, shard_optimizer
+from paratrain.sharded.zero import ZeroDataParallel
 
 
 def _model() -> nn.Module:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paratrain.buckets import Bucket
+from paratrain.ddp.buckets import Bucket
 from paratrain.errors import ConfigError
-from paratrain.sharding import Piece, alignment, part_size, shard_bucket
+from paratrain.sharded.partition import Piece, alignment, part_size, shard_bucket
 
 
 def _bucket(numels: list[int], dtype: torch.dtype = torch.float32) -> Bucket:

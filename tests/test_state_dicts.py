@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from paratrain.checkpoint.state_dicts import check_compatible, strip_module_prefix
 from paratrain.errors import CheckpointError
-from paratrain.state_dicts import check_compatible, strip_module_prefix
 
 
 def make_model(hidden: int = 8) -> nn.Module:

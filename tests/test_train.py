@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import run_main
-from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from paratrain.checkpoint.file import latest_checkpoint, list_checkpoints, load_checkpoint
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.training import TrainConfig, train
 from processes import run_cli, start_cli

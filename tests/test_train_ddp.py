@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint import latest_checkpoint, load_checkpoint
+from paratrain.checkpoint.file import latest_checkpoint, load_checkpoint
 from paratrain.training import TrainConfig, train
 from processes import cli_command, free_port, run_cli, start_cli
 from processes import finish as _finish

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from paratrain.checkpoint.file import latest_checkpoint, list_checkpoints, load_checkpoint
 from paratrain.cli import main
 from paratrain.errors import ConfigError
 from paratrain.parallel import seed_everything

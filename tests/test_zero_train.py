@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint import latest_checkpoint
-from paratrain.shard_checkpoint import is_sharded_checkpoint, materialize, read_plain
+from paratrain.checkpoint.file import latest_checkpoint
+from paratrain.checkpoint.sharded import is_sharded_checkpoint, materialize, read_plain
 from paratrain.training import TrainConfig, train
 from paratrain.training.model_spec import build_model_spec
 from processes import finish, start_cli

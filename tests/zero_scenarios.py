@@ -15,11 +15,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
+from paratrain.checkpoint.sharded import is_sharded_checkpoint
 from paratrain.errors import CollectiveError, ConfigError
-from paratrain.shard_checkpoint import is_sharded_checkpoint
-from paratrain.sharded_optimizer import ShardedOptimizer
-from paratrain.zero import ZeroDataParallel
-from paratrain.zero_reducer import ShardedReducer
+from paratrain.sharded.optimizer import ShardedOptimizer
+from paratrain.sharded.reducer import ShardedReducer
+from paratrain.sharded.zero import ZeroDataParallel
 
 GLOBAL_BATCH = 24
 STEPS = 3

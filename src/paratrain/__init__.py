@@ -13,9 +13,10 @@ plan) and the command line (``paratrain.cli``) load when something asks for them
 import importlib as _importlib
 from typing import Any as _Any
 
-from .data_parallel import DataParallel
-from .distributed import DistributedDataParallel
-from .errors import (
+from paratrain.ddp.distributed import DistributedDataParallel
+from paratrain.dp.data_parallel import DataParallel
+from paratrain.dp.scatter_gather import gather, scatter, split_sizes
+from paratrain.errors import (
     CheckpointError,
     CollectiveError,
     ConfigError,
@@ -28,10 +29,9 @@ from .errors import (
     ScatterError,
     TrainingError,
 )
-from .parallel import Parallel, seed_everything
-from .scatter_gather import gather, scatter, split_sizes
-from .strategies import Strategy
-from .version import __version__
+from paratrain.parallel import Parallel, seed_everything
+from paratrain.strategies import Strategy
+from paratrain.version import __version__
 
 __all__ = [
     "CheckpointError",

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from paratrain.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

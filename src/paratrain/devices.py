@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import DeviceError
+from paratrain.errors import DeviceError
 
 __all__ = ["DeviceLike", "parse_device", "parse_device_list", "parse_devices_arg", "visible_gpus"]
 

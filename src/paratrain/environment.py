@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from paratrain.errors import ConfigError
 
 __all__ = ["ClusterEnvironment", "launched_by_torchrun"]
 

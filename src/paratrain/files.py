@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import ConfigError
+from paratrain.errors import ConfigError
 
 __all__ = [
     "atomic_writer",

@@ -33,15 +33,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .accumulation import check_steps, cut, micro_sizes, samples_in
-from .checkpoint_io import load_state, save_state
-from .devices import DeviceLike
-from .environment import ClusterEnvironment
-from .errors import ConfigError
-from .precision import Precision, select_precision
-from .prepared import BatchLedger, PreparedIndexedLoader, PreparedLoader, Recording, prepare_loader
-from .strategies import ReduceOp, Strategy, select_strategy
-from .tree import flatten
+from paratrain.devices import DeviceLike
+from paratrain.environment import ClusterEnvironment
+from paratrain.errors import ConfigError
+from paratrain.loop.accumulation import check_steps, cut, micro_sizes, samples_in
+from paratrain.loop.checkpoint_io import load_state, save_state
+from paratrain.loop.precision import Precision, select_precision
+from paratrain.loop.prepared import BatchLedger, PreparedIndexedLoader, PreparedLoader, Recording, prepare_loader
+from paratrain.strategies import ReduceOp, Strategy, select_strategy
+from paratrain.tree import flatten
 
 __all__ = ["Parallel", "seed_everything"]
 
@@ -72,7 +72,7 @@ class Parallel:
             call different collectives (default ``paratrain-hang-report.json`` here; see docs/hangs.md).
         precision: ``32`` (default), ``bf16-mixed`` or ``16-mixed``: forward passes of prepared models run under
             ``torch.autocast`` for the device's type and return float32 outputs; ``16-mixed`` adds a gradient
-            scaler (see :mod:`paratrain.precision`), so optimizers must step through :meth:`step`.
+            scaler (see :mod:`paratrain.loop.precision`), so optimizers must step through :meth:`step`.
 
     Raises:
         ConfigError: an unknown strategy or precision, devices it cannot use (or a mixed precision they cannot
@@ -317,7 +317,7 @@ class Parallel:
         Run forward and :meth:`backward` on each micro-batch in the loop's body; after the loop the gradients
         are the global batch's mean, synchronised once (one all-reduce round under ddp), ready for
         :meth:`clip_grad_norm_` and :meth:`step`. ``batch`` is what a prepared loader yielded (this process's
-        share of a global batch); the rule for the cut is in :mod:`paratrain.accumulation`. ``steps=1`` yields
+        share of a global batch); the rule for the cut is in :mod:`paratrain.loop.accumulation`. ``steps=1`` yields
         ``batch`` itself.
 
         Raises:
@@ -454,7 +454,7 @@ class Parallel:
         Values that are prepared models or optimizers are saved as the strategy holds them: their state dicts
         (written by the main process), or under ``zero1``/``zero2`` each process's slices of them, written by
         each process into a sharded checkpoint: the directory ``path`` without ``.pt``
-        (:mod:`paratrain.shard_checkpoint`). Either loads under any strategy and number of processes. Returns the
+        (:mod:`paratrain.checkpoint.sharded`). Either loads under any strategy and number of processes. Returns the
         path written, in the main process.
         """
         return save_state(self.strategy, state, path)

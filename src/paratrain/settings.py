@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .config_file import read_config, to_toml
-from .errors import ConfigError
+from paratrain.config_file import read_config, to_toml
+from paratrain.errors import ConfigError
 
 __all__ = [
     "Check",

@@ -19,15 +19,15 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ..errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
-from ..version import __version__
-from .checkpoint import add_checkpoint_parser
-from .config import apply_config_file, printed_config
-from .demo import add_demo_parser
-from .env import add_env_parser
-from .launch import add_launch_parser
-from .tools import add_tool_parsers
-from .train import add_train_parser
+from paratrain.cli.checkpoint import add_checkpoint_parser
+from paratrain.cli.config import apply_config_file, printed_config
+from paratrain.cli.demo import add_demo_parser
+from paratrain.cli.env import add_env_parser
+from paratrain.cli.launch import add_launch_parser
+from paratrain.cli.tools import add_tool_parsers
+from paratrain.cli.train import add_train_parser
+from paratrain.errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
+from paratrain.version import __version__
 
 __all__ = ["EXIT_RUNTIME", "EXIT_USAGE", "build_parser", "main"]
 
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.handler(args)
         return code
     except BrokenPipeError:
-        from ..training.progress import stdout_closed
+        from paratrain.training.progress import stdout_closed
 
         return stdout_closed()
     except ConfigError as exc:

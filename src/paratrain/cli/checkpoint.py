@@ -22,7 +22,7 @@ def add_checkpoint_parser(commands: argparse._SubParsersAction) -> None:  # type
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from ..consolidate import consolidate
+    from paratrain.checkpoint.consolidate import consolidate
 
     state = consolidate(args.source, args.out, everything=args.all)
     tensors = [v for v in state.values() if hasattr(v, "numel")]

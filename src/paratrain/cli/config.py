@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from ..config_file import read_config, to_toml
-from .options import from_args
+from paratrain.cli.options import from_args
+from paratrain.config_file import read_config, to_toml
 
 __all__ = ["add_config_options", "apply_config_file", "printed_config"]
 

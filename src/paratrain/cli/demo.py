@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from .options import add_options, from_args
+from paratrain.cli.options import add_options, from_args
 
 __all__ = ["add_demo_parser"]
 
 
 def add_demo_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from ..training.demo import DemoConfig
+    from paratrain.training.demo import DemoConfig
 
     parser = commands.add_parser(
         "demo",
@@ -27,7 +27,7 @@ def add_demo_parser(commands: argparse._SubParsersAction) -> None:  # type: igno
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ..training.demo import DemoConfig, demo
+    from paratrain.training.demo import DemoConfig, demo
 
     demo(from_args(DemoConfig, args))
     return 0

@@ -15,7 +15,7 @@ def add_env_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
 
 
 def _env(args: argparse.Namespace) -> int:
-    from ..tools.env import collect
+    from paratrain.tools.env import collect
 
     report = collect()
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.render())

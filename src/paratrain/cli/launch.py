@@ -3,7 +3,7 @@
 paratrain launch --nproc-per-node 2 train.py --epochs 3
 paratrain train --strategy ddp --nproc-per-node 2
 
-The options are generated from :class:`~paratrain.launch.LaunchConfig`'s fields.
+The options are generated from :class:`~paratrain.launch.launcher.LaunchConfig`'s fields.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import argparse
 import signal
 import sys
 
-from ..launch import LaunchConfig, launch
-from .argtypes import positive_int_or_auto
-from .help import ExamplesFormatter
-from .options import add_options, from_args
+from paratrain.cli.argtypes import positive_int_or_auto
+from paratrain.cli.help import ExamplesFormatter
+from paratrain.cli.options import add_options, from_args
+from paratrain.launch.launcher import LaunchConfig, launch
 
 __all__ = ["add_launch_parser", "add_launcher_options", "launch_config", "report_exit"]
 
@@ -32,7 +32,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig:
 
 
 def add_launch_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add the ``launch`` subcommand; its handler runs :func:`paratrain.launch.launch`."""
+    """Add the ``launch`` subcommand; its handler runs :func:`paratrain.launch.launcher.launch`."""
     lp = commands.add_parser(
         "launch",
         help="start a script on several processes or machines through torchrun",

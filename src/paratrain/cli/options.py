@@ -22,7 +22,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ..settings import flag_of
+from paratrain.settings import flag_of
 
 __all__ = ["add_options", "from_args"]
 

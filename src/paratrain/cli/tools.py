@@ -17,8 +17,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from .config import add_config_options
-from .options import add_options, from_args
+from paratrain.cli.config import add_config_options
+from paratrain.cli.options import add_options, from_args
 
 __all__ = ["TOOLS", "add_tool_parsers"]
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import argparse
 
-from .config import add_config_options
-from .launch import add_launcher_options, launch_config, report_exit
-from .options import add_options, from_args
+from paratrain.cli.config import add_config_options
+from paratrain.cli.launch import add_launcher_options, launch_config, report_exit
+from paratrain.cli.options import add_options, from_args
 
 __all__ = ["add_train_parser"]
 
 
 def add_train_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from ..launch import LaunchConfig
-    from ..training.config import TrainConfig
+    from paratrain.launch.launcher import LaunchConfig
+    from paratrain.training.config import TrainConfig
 
     tr = commands.add_parser(
         "train",
@@ -35,7 +35,7 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ..training.command import train_command  # the training stack is only imported when needed
-    from ..training.config import TrainConfig
+    from paratrain.training.command import train_command  # the training stack is only imported when needed
+    from paratrain.training.config import TrainConfig
 
     return report_exit(train_command(from_args(TrainConfig, args), launch_config(args)), "train")

@@ -23,14 +23,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..devices import DeviceLike, parse_device_list, parse_devices_arg, visible_gpus
-from ..environment import ClusterEnvironment
-from ..errors import ConfigError
-from .base import ReduceOp, Strategy
-from .ddp import DDP_DEVICES, DistributedStrategy
-from .dp import DataParallelStrategy
-from .single import SingleDevice
-from .zero import Zero1Strategy, Zero2Strategy, ZeroStrategy
+from paratrain.devices import DeviceLike, parse_device_list, parse_devices_arg, visible_gpus
+from paratrain.environment import ClusterEnvironment
+from paratrain.errors import ConfigError
+from paratrain.strategies.base import ReduceOp, Strategy
+from paratrain.strategies.ddp import DDP_DEVICES, DistributedStrategy
+from paratrain.strategies.dp import DataParallelStrategy
+from paratrain.strategies.single import SingleDevice
+from paratrain.strategies.zero import Zero1Strategy, Zero2Strategy, ZeroStrategy
 
 __all__ = [
     "PROCESS_STRATEGIES",

@@ -16,9 +16,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from ..environment import ClusterEnvironment
-from ..errors import ConfigError
-from ..shard_checkpoint import materialize
+from paratrain.checkpoint.sharded import materialize
+from paratrain.environment import ClusterEnvironment
+from paratrain.errors import ConfigError
 
 __all__ = ["ReduceOp", "Strategy"]
 

@@ -17,15 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
-from ..distributed import DistributedDataParallel
-from ..environment import ClusterEnvironment
-from ..errors import ConfigError
-from ..flight_recorder import small_buffer_unless_set
-from ..grad_norm import clip_with_norm, norm_terms
-from ..process_groups import group_sequence
-from ..scatter_gather import shard
-from .base import ReduceOp, Strategy
+from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
+from paratrain.comm.process_groups import group_sequence
+from paratrain.ddp.distributed import DistributedDataParallel
+from paratrain.diagnostics.flight_recorder import small_buffer_unless_set
+from paratrain.dp.scatter_gather import shard
+from paratrain.environment import ClusterEnvironment
+from paratrain.errors import ConfigError
+from paratrain.sharded.grad_norm import clip_with_norm, norm_terms
+from paratrain.strategies.base import ReduceOp, Strategy
 
 __all__ = ["DDP_DEVICES", "DistributedStrategy"]
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..data_parallel import DataParallel
-from .base import Strategy
+from paratrain.dp.data_parallel import DataParallel
+from paratrain.strategies.base import Strategy
 
 __all__ = ["DataParallelStrategy"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Strategy
+from paratrain.strategies.base import Strategy
 
 __all__ = ["SingleDevice"]
 

@@ -8,7 +8,7 @@
     ...
     par.save({"model": model, "optimizer": optimizer, "step": step}, "runs/a/step-100.pt")   # a sharded checkpoint
 
-The model must be prepared before (or in the same call as) its optimizer. See :mod:`paratrain.zero`.
+The model must be prepared before (or in the same call as) its optimizer. See :mod:`paratrain.sharded.zero`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError
-from ..grad_norm import clip_with_norm
-from ..shard_checkpoint import LocalSlices, materialize
-from ..sharded_optimizer import ShardedOptimizer, shard_optimizer
-from ..zero import ZeroDataParallel
-from .ddp import DistributedStrategy
+from paratrain.checkpoint.sharded import LocalSlices, materialize
+from paratrain.errors import ConfigError
+from paratrain.sharded.grad_norm import clip_with_norm
+from paratrain.sharded.optimizer import ShardedOptimizer, shard_optimizer
+from paratrain.sharded.zero import ZeroDataParallel
+from paratrain.strategies.ddp import DistributedStrategy
 
 __all__ = ["Zero1Strategy", "Zero2Strategy", "ZeroStrategy"]
 

@@ -14,9 +14,9 @@ allreduce_probe.py, report.py. Nothing in the engine imports this package; ``par
 first use.
 """
 
-from .bench import BenchConfig, BenchReport, bench
-from .plan import PlanConfig, PlanReport, plan
-from .verify import VerifyConfig, VerifyReport, verify
+from paratrain.tools.bench import BenchConfig, BenchReport, bench
+from paratrain.tools.plan import PlanConfig, PlanReport, plan
+from paratrain.tools.verify import VerifyConfig, VerifyReport, verify
 
 __all__ = [
     "BenchConfig",

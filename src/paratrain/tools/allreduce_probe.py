@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..environment import ClusterEnvironment
+from paratrain.environment import ClusterEnvironment
 
 __all__ = ["DEFAULT_SIZES", "main", "measure", "measure_sync", "work_unit"]
 

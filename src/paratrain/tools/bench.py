@@ -25,16 +25,16 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..files import check_output
-from ..parallel import Parallel
-from ..settings import setting
-from ..training.logs import install_hint
-from .configs import RunConfig, parse_configs, unavailable_reason
-from .report import format_markdown, format_table, write_json, write_text
-from .runner import ConfigRunError, run_config
-from .settings import RunSettings, TimingSettings, settings_from
-from .workload import Workload, build_optimizer, endless
+from paratrain.errors import ConfigError
+from paratrain.files import check_output
+from paratrain.parallel import Parallel
+from paratrain.settings import setting
+from paratrain.tools.configs import RunConfig, parse_configs, unavailable_reason
+from paratrain.tools.report import format_markdown, format_table, write_json, write_text
+from paratrain.tools.runner import ConfigRunError, run_config
+from paratrain.tools.settings import RunSettings, TimingSettings, settings_from
+from paratrain.tools.workload import Workload, build_optimizer, endless
+from paratrain.training.logs import install_hint
 
 __all__ = ["PHASES", "BenchConfig", "BenchReport", "ConfigTiming", "bench"]
 
@@ -306,7 +306,7 @@ def _write_outputs(report: BenchReport, config: BenchConfig) -> None:
         write_text(report.markdown(), markdown)
         report.written.append(markdown)
     if plot:
-        from .plot import plot_scaling  # matplotlib is an optional extra
+        from paratrain.tools.plot import plot_scaling  # matplotlib is an optional extra
 
         measured = [t for t in report.timings if t.status == "OK"]
         single = next((t.samples_per_second for t in measured if t.strategy == "single"), None)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .plan_measure import ProfileRun
-from .settings import RunSettings
-from .workload import Workload
+from paratrain.tools.plan_measure import ProfileRun
+from paratrain.tools.settings import RunSettings
+from paratrain.tools.workload import Workload
 
 __all__ = ["main"]
 

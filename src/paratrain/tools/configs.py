@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..devices import visible_gpus
-from ..errors import ConfigError
+from paratrain.devices import visible_gpus
+from paratrain.errors import ConfigError
 
 __all__ = [
     "MAX_DEFAULT_DEVICES",

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from ..parallel import seed_everything
+from paratrain.parallel import seed_everything
 
 __all__ = [
     "Cause",

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..version import __version__
+from paratrain.version import __version__
 
 __all__ = ["Accelerator", "EnvReport", "collect"]
 

@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 
-from ..buckets import FIRST_BUCKET_BYTES, assign_buckets
-from ..devices import visible_gpus
-from ..errors import ConfigError
-from ..settings import at_least, optional, positive, setting
-from ..training.threads import MachineLoad, choose_threads
-from .configs import parse_configs
-from .plan_measure import (
+from paratrain.ddp.buckets import FIRST_BUCKET_BYTES, assign_buckets
+from paratrain.devices import visible_gpus
+from paratrain.errors import ConfigError
+from paratrain.settings import at_least, optional, positive, setting
+from paratrain.tools.configs import parse_configs
+from paratrain.tools.plan_measure import (
     DDP_BUCKET_CAP_BYTES,
     bursts_for,
     contention,
@@ -40,8 +39,8 @@ from .plan_measure import (
     read_link_file,
     threads_per_process,
 )
-from .plan_memory import check_bytes, measure_memory
-from .plan_model import (
+from paratrain.tools.plan_memory import check_bytes, measure_memory
+from paratrain.tools.plan_model import (
     BucketSpec,
     Link,
     fit_link,
@@ -49,11 +48,12 @@ from .plan_model import (
     scaling_rows,
     simulate_step,
 )
-from .plan_report import PlanReport, describe_assumptions, unreliable_reasons
-from .plan_validate import VALIDATE_UP_TO, validate_plan, validation_configs
-from .report import write_json
-from .settings import RunSettings, TimingSettings, settings_from
-from .workload import Workload
+from paratrain.tools.plan_report import PlanReport, describe_assumptions, unreliable_reasons
+from paratrain.tools.plan_validate import VALIDATE_UP_TO, validate_plan, validation_configs
+from paratrain.tools.report import write_json
+from paratrain.tools.settings import RunSettings, TimingSettings, settings_from
+from paratrain.tools.workload import Workload
+from paratrain.training.threads import MachineLoad, choose_threads
 
 __all__ = ["PlanConfig", "PlanReport", "plan"]
 

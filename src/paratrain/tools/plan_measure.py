@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from ..buckets import FIRST_BUCKET_BYTES, assign_buckets
-from ..errors import ConfigError
-from ..launch import LaunchConfig, launch
-from ..parallel import Parallel
-from .plan_model import ComputeProfile, cpu_share
-from .workload import Workload, build_optimizer
+from paratrain.ddp.buckets import FIRST_BUCKET_BYTES, assign_buckets
+from paratrain.errors import ConfigError
+from paratrain.launch.launcher import LaunchConfig, launch
+from paratrain.parallel import Parallel
+from paratrain.tools.plan_model import ComputeProfile, cpu_share
+from paratrain.tools.workload import Workload, build_optimizer
 
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
@@ -314,7 +314,7 @@ def bursts_for(
     profiles: dict[tuple[int, int], ComputeProfile], shapes: dict[int, tuple[int, int, float]], processes: int
 ) -> dict[int, int]:
     """Work units that last as long as forward + backward of each world size's process, timed here."""
-    from .allreduce_probe import work_unit
+    from paratrain.tools.allreduce_probe import work_unit
 
     bursts = {}
     unit = work_unit(torch.device("cpu"))

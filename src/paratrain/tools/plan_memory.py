@@ -4,7 +4,7 @@
     smallest_fit(rows, 80e9)        # {"ddp": 4, "zero1": 2, "zero2": 2}: the fewest devices each fits on
 
 Model states are counted exactly as the strategies allocate them, from the same buckets and partition
-(:mod:`paratrain.buckets`, :mod:`paratrain.sharding`), for the rank holding the most (rank 0):
+(:mod:`paratrain.ddp.buckets`, :mod:`paratrain.sharded.partition`), for the rank holding the most (rank 0):
 
 - parameters: whole on every rank (zero1, zero2: each bucket padded to N equal parts);
 - gradients: every bucket (ddp and zero1 keep them as the buckets' buffers), or zero2's part of each;
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..buckets import FIRST_BUCKET_BYTES, assign_buckets
-from ..errors import ConfigError
-from ..sharding import shard_bucket
-from ..zero_reducer import MAX_IN_FLIGHT
+from paratrain.ddp.buckets import FIRST_BUCKET_BYTES, assign_buckets
+from paratrain.errors import ConfigError
+from paratrain.sharded.partition import shard_bucket
+from paratrain.sharded.reducer import MAX_IN_FLIGHT
 
 __all__ = [
     "MEMORY_STRATEGIES",
@@ -167,7 +167,7 @@ def activation_bytes(model: nn.Module, sample: torch.Tensor, batch: int) -> int:
 
 def render_memory(rows: Sequence[MemoryRow], device_bytes: int | None) -> list[str]:
     """The memory table, and with ``device_bytes`` the fewest devices each strategy fits on."""
-    from .report import format_table  # the report module builds on the others; only rendering needs it
+    from paratrain.tools.report import format_table  # the report module builds on the others; only rendering needs it
 
     sizes = sorted({r.world_size for r in rows})
     by = {(r.strategy, r.world_size): r for r in rows}

@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from paratrain.errors import ConfigError
 
 __all__ = [
     "BucketSpec",

@@ -17,12 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..buckets import FIRST_BUCKET_BYTES
-from .plan_measure import DDP_BUCKET_CAP_BYTES
-from .plan_memory import MemoryRow, parse_bytes, render_memory, smallest_fit
-from .plan_model import BucketSpec, Link, ScalingRow
-from .report import format_table
-from .settings import RunSettings
+from paratrain.ddp.buckets import FIRST_BUCKET_BYTES
+from paratrain.tools.plan_measure import DDP_BUCKET_CAP_BYTES
+from paratrain.tools.plan_memory import MemoryRow, parse_bytes, render_memory, smallest_fit
+from paratrain.tools.plan_model import BucketSpec, Link, ScalingRow
+from paratrain.tools.report import format_table
+from paratrain.tools.settings import RunSettings
 
 __all__ = ["MOVED_BOUND", "PlanReport", "describe_assumptions", "unreliable_reasons", "unreliable_verdict"]
 

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from .bench import BenchConfig, bench
-from .configs import RunConfig, parse_configs, unavailable_reason
-from .settings import RunSettings
+from paratrain.tools.bench import BenchConfig, bench
+from paratrain.tools.configs import RunConfig, parse_configs, unavailable_reason
+from paratrain.tools.settings import RunSettings
 
 __all__ = ["VALIDATE_UP_TO", "validate_plan", "validation_configs"]
 

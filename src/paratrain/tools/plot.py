@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..files import atomic_writer
+from paratrain.files import atomic_writer
 
 __all__ = ["Point", "plot_scaling"]
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..files import atomic_writer
+from paratrain.errors import ConfigError
+from paratrain.files import atomic_writer
 
 __all__ = ["format_markdown", "format_table", "write_json", "write_text"]
 

@@ -3,7 +3,7 @@
     results = run_config(run_in, settings, parse_config("ddp:2"), workdir, extra)   # one dict per rank
 
 Every configuration runs the same function, ``run_in(par, settings, extra) -> dict``, under ``Parallel``: here for
-single and dp, and for ``ddp:N`` in N processes that :func:`paratrain.launch.launch` starts running
+single and dp, and for ``ddp:N`` in N processes that :func:`paratrain.launch.launcher.launch` starts running
 :mod:`paratrain.tools.worker`, which imports the function and the settings class by their ``module:name`` paths.
 Each rank saves its result to a file this process reads; a rank that fails leaves its error there, so the report
 can say what went wrong.
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from ..errors import DistributedError, ParatrainError
-from ..launch import LaunchConfig, launch
-from ..parallel import Parallel
-from .configs import RunConfig
-from .settings import RunSettings
+from paratrain.errors import DistributedError, ParatrainError
+from paratrain.launch.launcher import LaunchConfig, launch
+from paratrain.parallel import Parallel
+from paratrain.tools.configs import RunConfig
+from paratrain.tools.settings import RunSettings
 
 __all__ = ["ConfigRunError", "RunIn", "path_of", "run_config"]
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import ConfigError
-from ..files import check_output
-from ..settings import Settings, at_least, one_of, positive, setting
-from ..training.settings import CollectiveSettings, DataSettings, ModelSettings, OptimizerSettings, StepSettings
-from .configs import parse_configs
+from paratrain.errors import ConfigError
+from paratrain.files import check_output
+from paratrain.settings import Settings, at_least, one_of, positive, setting
+from paratrain.tools.configs import parse_configs
+from paratrain.training.settings import CollectiveSettings, DataSettings, ModelSettings, OptimizerSettings, StepSettings
 
 __all__ = ["DEFAULT_RUN_TIMEOUT_S", "LOSS_REDUCTIONS", "RunSettings", "ToolSettings", "settings_from"]
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ..parallel import Parallel, seed_everything
-from ..settings import at_least, optional, setting
-from .configs import RunConfig, parse_configs, unavailable_reason
-from .diagnose import (
+from paratrain.parallel import Parallel, seed_everything
+from paratrain.settings import at_least, optional, setting
+from paratrain.tools.configs import RunConfig, parse_configs, unavailable_reason
+from paratrain.tools.diagnose import (
     Cause,
     batchnorm_cause,
     dropout_cause,
@@ -36,11 +36,11 @@ from .diagnose import (
     randomness_causes,
     sum_loss_cause,
 )
-from .report import format_table, write_json
-from .runner import ConfigRunError, run_config
-from .settings import RunSettings, settings_from
-from .verify_compare import Tolerance, compare, fixed_tolerance
-from .workload import Workload, build_optimizer, endless
+from paratrain.tools.report import format_table, write_json
+from paratrain.tools.runner import ConfigRunError, run_config
+from paratrain.tools.settings import RunSettings, settings_from
+from paratrain.tools.verify_compare import Tolerance, compare, fixed_tolerance
+from paratrain.tools.workload import Workload, build_optimizer, endless
 
 __all__ = ["ConfigVerdict", "VerifyConfig", "VerifyReport", "verify"]
 

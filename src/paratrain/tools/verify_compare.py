@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .runner import ConfigRunError
+from paratrain.tools.runner import ConfigRunError
 
 __all__ = ["FACTOR", "Comparison", "Tolerance", "compare", "difference", "fixed_tolerance"]
 

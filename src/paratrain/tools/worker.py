@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..environment import ClusterEnvironment
-from ..parallel import Parallel
+from paratrain.environment import ClusterEnvironment
+from paratrain.parallel import Parallel
 
 
 def _imported(path: str) -> Any:

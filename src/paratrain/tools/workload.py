@@ -19,14 +19,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..parallel import seed_everything
-from ..prepared import PreparedIndexedLoader
-from ..training.data import TensorData, parse_input_shape
-from ..training.datasets import load_dataset
-from ..training.loader import DeviceLoader
-from ..training.model_spec import build_model_spec
-from ..training.optimizers import build_optimizer as training_optimizer
-from .settings import RunSettings
+from paratrain.loop.prepared import PreparedIndexedLoader
+from paratrain.parallel import seed_everything
+from paratrain.tools.settings import RunSettings
+from paratrain.training.data import TensorData, parse_input_shape
+from paratrain.training.datasets import load_dataset
+from paratrain.training.loader import DeviceLoader
+from paratrain.training.model_spec import build_model_spec
+from paratrain.training.optimizers import build_optimizer as training_optimizer
 
 __all__ = ["Workload", "build_optimizer", "endless"]
 

@@ -7,8 +7,8 @@ config.py (every setting, once), job.py (the loop, written only against ``Parall
 loader.py (``DeviceLoader``), progress.py, results.py. Nothing in the engine imports this package.
 """
 
-from .config import TrainConfig
-from .job import evaluate, train
-from .results import TrainResult
+from paratrain.training.config import TrainConfig
+from paratrain.training.job import evaluate, train
+from paratrain.training.results import TrainResult
 
 __all__ = ["TrainConfig", "TrainResult", "evaluate", "train"]

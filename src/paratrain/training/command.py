@@ -19,15 +19,15 @@ import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-from ..environment import ClusterEnvironment
-from ..errors import ConfigError, TrainingInterrupted
-from ..launch import LaunchConfig, launch
-from ..settings import flag_of
-from ..strategies import PROCESS_STRATEGIES, check_ddp_devices, resolve_devices, resolve_strategy
-from .config import TrainConfig
-from .job import train
-from .preflight import preflight
-from .resume import plan_start
+from paratrain.environment import ClusterEnvironment
+from paratrain.errors import ConfigError, TrainingInterrupted
+from paratrain.launch.launcher import LaunchConfig, launch
+from paratrain.settings import flag_of
+from paratrain.strategies import PROCESS_STRATEGIES, check_ddp_devices, resolve_devices, resolve_strategy
+from paratrain.training.config import TrainConfig
+from paratrain.training.job import train
+from paratrain.training.preflight import preflight
+from paratrain.training.resume import plan_start
 
 __all__ = ["launch_train", "train_command"]
 

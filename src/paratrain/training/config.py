@@ -13,15 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..files import check_output
-from ..settings import at_least, one_of, optional, setting
-from ..strategies import STRATEGY_NAMES
-from .logs import check_extras
-from .optimizers import LR_SCHEDULES
-from .settings import CollectiveSettings, DataSettings, ModelSettings, OptimizerSettings, StepSettings
-from .trackers import TRACKERS, check_trackers
-from .user_data import DATA_SPEC_HELP, check_data_spec
+from paratrain.errors import ConfigError
+from paratrain.files import check_output
+from paratrain.settings import at_least, one_of, optional, setting
+from paratrain.strategies import STRATEGY_NAMES
+from paratrain.training.logs import check_extras
+from paratrain.training.optimizers import LR_SCHEDULES
+from paratrain.training.settings import CollectiveSettings, DataSettings, ModelSettings, OptimizerSettings, StepSettings
+from paratrain.training.trackers import TRACKERS, check_trackers
+from paratrain.training.user_data import DATA_SPEC_HELP, check_data_spec
 
 __all__ = ["RESUME_MODES", "TrainConfig"]
 

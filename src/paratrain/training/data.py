@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from paratrain.errors import ConfigError
 
 __all__ = ["DatasetSplits", "TensorData", "default_cache_dir", "normalise", "parse_input_shape"]
 

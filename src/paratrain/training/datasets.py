@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError, DataError
-from .data import DatasetSplits, TensorData, normalise
+from paratrain.errors import ConfigError, DataError
+from paratrain.training.data import DatasetSplits, TensorData, normalise
 
 __all__ = ["DATASET_NAMES", "dataset_shape", "load_dataset"]
 
@@ -76,7 +76,7 @@ def load_dataset(
     if name == "digits60k":
         return _digits60k()
     if name == "mnist":
-        from .mnist import load_mnist  # the download and IDX code loads only for MNIST
+        from paratrain.training.mnist import load_mnist  # the download and IDX code loads only for MNIST
 
         return load_mnist(data_dir, download=download, verify=verify)
     if name == "random":

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..data_parallel import DataParallel
-from ..devices import parse_devices_arg, visible_gpus
-from ..scatter_gather import split_sizes
-from ..settings import Settings, at_least, setting
-from .models import DemoModel, print_line
+from paratrain.devices import parse_devices_arg, visible_gpus
+from paratrain.dp.data_parallel import DataParallel
+from paratrain.dp.scatter_gather import split_sizes
+from paratrain.settings import Settings, at_least, setting
+from paratrain.training.models import DemoModel, print_line
 
 __all__ = ["DemoConfig", "RandomDataset", "default_demo_devices", "demo", "run_demo"]
 

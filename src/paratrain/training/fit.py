@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
-from ..errors import ConfigError
+from paratrain.errors import ConfigError
 
 __all__ = ["check_fits"]
 

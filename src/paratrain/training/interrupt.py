@@ -31,9 +31,9 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from ..checkpoint import latest_checkpoint
-from ..parallel import Parallel
-from ..process_groups import default_store
+from paratrain.checkpoint.file import latest_checkpoint
+from paratrain.comm.process_groups import default_store
+from paratrain.parallel import Parallel
 
 __all__ = ["AGREE_WITHIN_S", "StopRequest", "interrupted_message"]
 

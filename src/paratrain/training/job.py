@@ -21,36 +21,36 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import check_writable
-from ..environment import ClusterEnvironment
-from ..errors import TrainingError, TrainingInterrupted
-from ..files import is_stdout, remove_stale_temporaries
-from ..launch_config import LaunchConfig
-from ..parallel import Parallel, seed_everything
-from ..strategies import resolve_devices, resolve_strategy
-from .config import TrainConfig
-from .data import TensorData, parse_input_shape
-from .datasets import load_dataset
-from .fit import check_fits
-from .flops import peak_flops, step_flops
-from .interrupt import StopRequest, interrupted_message
-from .loader import DeviceLoader
-from .log_line import StepMeter
-from .logs import RunLog
-from .model_spec import build_model_spec
-from .optimizers import apply_settings, build_optimizer, build_scheduler, optimizer_settings
-from .progress import Progress
-from .recovery import ProgressLog
-from .results import TrainResult, fingerprint, write_metrics
-from .resume import plan_start
-from .run_record import Invocation, environment
-from .state import Position, RunRecord, restore, save
-from .stepper import LossMeter, StepOutcome, Stepper
-from .threads import MachineLoad, choose_threads, using_threads
-from .timing import StepTimer, time_breakdown
-from .trackers import open_trackers
-from .tracking import Tracker
-from .user_data import load_user_data
+from paratrain.checkpoint.file import check_writable
+from paratrain.environment import ClusterEnvironment
+from paratrain.errors import TrainingError, TrainingInterrupted
+from paratrain.files import is_stdout, remove_stale_temporaries
+from paratrain.launch.config import LaunchConfig
+from paratrain.parallel import Parallel, seed_everything
+from paratrain.strategies import resolve_devices, resolve_strategy
+from paratrain.training.config import TrainConfig
+from paratrain.training.data import TensorData, parse_input_shape
+from paratrain.training.datasets import load_dataset
+from paratrain.training.fit import check_fits
+from paratrain.training.flops import peak_flops, step_flops
+from paratrain.training.interrupt import StopRequest, interrupted_message
+from paratrain.training.loader import DeviceLoader
+from paratrain.training.log_line import StepMeter
+from paratrain.training.logs import RunLog
+from paratrain.training.model_spec import build_model_spec
+from paratrain.training.optimizers import apply_settings, build_optimizer, build_scheduler, optimizer_settings
+from paratrain.training.progress import Progress
+from paratrain.training.recovery import ProgressLog
+from paratrain.training.results import TrainResult, fingerprint, write_metrics
+from paratrain.training.resume import plan_start
+from paratrain.training.run_record import Invocation, environment
+from paratrain.training.state import Position, RunRecord, restore, save
+from paratrain.training.stepper import LossMeter, StepOutcome, Stepper
+from paratrain.training.threads import MachineLoad, choose_threads, using_threads
+from paratrain.training.timing import StepTimer, time_breakdown
+from paratrain.training.trackers import open_trackers
+from paratrain.training.tracking import Tracker
+from paratrain.training.user_data import load_user_data
 
 __all__ = ["evaluate", "train"]
 

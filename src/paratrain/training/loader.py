@@ -11,7 +11,7 @@ whole split sits on the device and each batch is one ``index_select``::
 
     loader.skip(120); loader.set_epoch(3)        # resume: the next pass starts at batch 120 of epoch 3
 
-It follows the engine's :class:`~paratrain.prepared.IndexedLoader` protocol (``batch_indices``, ``take``, ``to``),
+It follows the engine's :class:`~paratrain.loop.prepared.IndexedLoader` protocol (``batch_indices``, ``take``, ``to``),
 so ``Parallel.prepare`` has each process index its own share of every global batch on its device.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..errors import ConfigError
-from .data import TensorData
+from paratrain.errors import ConfigError
+from paratrain.training.data import TensorData
 
 __all__ = ["DeviceLoader"]
 

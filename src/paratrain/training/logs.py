@@ -20,8 +20,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..files import atomic_writer
+from paratrain.errors import ConfigError
+from paratrain.files import atomic_writer
 
 __all__ = ["CSV_NAME", "PLOT_NAME", "RunLog", "check_extras", "install_hint", "read_metrics"]
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
-from .data import DatasetSplits, TensorData, default_cache_dir, normalise
+from paratrain.errors import DataError
+from paratrain.training.data import DatasetSplits, TensorData, default_cache_dir, normalise
 
 __all__ = ["load_mnist"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import ConfigError
-from .models import MODEL_NAMES, build_model
+from paratrain.errors import ConfigError
+from paratrain.training.models import MODEL_NAMES, build_model
 
 __all__ = ["MODEL_SPEC_HELP", "build_model_spec", "check_model_spec", "is_model_spec"]
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from paratrain.errors import ConfigError
 
 __all__ = ["MLP", "MODEL_NAMES", "DemoModel", "SimpleCNN", "SimpleNet", "build_model", "print_line"]
 

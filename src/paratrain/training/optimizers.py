@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ..errors import CheckpointError, ConfigError
+from paratrain.errors import CheckpointError, ConfigError
 
 __all__ = [
     "DEFAULT_BETAS",

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from .config import TrainConfig
-from .data import parse_input_shape
-from .datasets import dataset_shape, load_dataset
-from .fit import check_fits
-from .model_spec import build_model_spec
-from .user_data import load_user_data
+from paratrain.errors import ConfigError
+from paratrain.training.config import TrainConfig
+from paratrain.training.data import parse_input_shape
+from paratrain.training.datasets import dataset_shape, load_dataset
+from paratrain.training.fit import check_fits
+from paratrain.training.model_spec import build_model_spec
+from paratrain.training.user_data import load_user_data
 
 __all__ = ["preflight"]
 

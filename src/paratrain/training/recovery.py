@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files import atomic_writer
+from paratrain.files import atomic_writer
 
 __all__ = ["PROGRESS_FILE", "ProgressLog", "Recovery"]
 

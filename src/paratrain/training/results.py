@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..files import atomic_writer
+from paratrain.errors import ConfigError
+from paratrain.files import atomic_writer
 
 __all__ = ["TrainResult", "fingerprint", "write_metrics"]
 

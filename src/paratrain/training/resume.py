@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import latest_checkpoint, list_checkpoints
-from ..errors import CheckpointError, ConfigError
-from ..settings import flag_of
-from ..shard_checkpoint import is_sharded_checkpoint, read_plain
-from .config import RESUME_MODES, TrainConfig
+from paratrain.checkpoint.file import latest_checkpoint, list_checkpoints
+from paratrain.checkpoint.sharded import is_sharded_checkpoint, read_plain
+from paratrain.errors import CheckpointError, ConfigError
+from paratrain.settings import flag_of
+from paratrain.training.config import RESUME_MODES, TrainConfig
 
 __all__ = ["IDENTITY", "SavedRun", "Start", "differences", "identity", "plan_start", "read_saved_run"]
 

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config_file import to_toml
-from ..errors import ConfigError
-from ..files import atomic_writer
-from ..launch_config import LaunchConfig
-from ..parallel import Parallel
-from ..version import __version__
-from .config import TrainConfig
+from paratrain.config_file import to_toml
+from paratrain.errors import ConfigError
+from paratrain.files import atomic_writer
+from paratrain.launch.config import LaunchConfig
+from paratrain.parallel import Parallel
+from paratrain.training.config import TrainConfig
+from paratrain.version import __version__
 
 __all__ = ["RECORD_JSON", "RECORD_TOML", "Invocation", "environment"]
 

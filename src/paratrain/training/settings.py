@@ -15,16 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..collectives import DEFAULT_TIMEOUT_S
-from ..errors import ConfigError
-from ..files import check_input_dir
-from ..precision import PRECISIONS
-from ..settings import Settings, at_least, below, finite_positive, one_of, optional, positive, setting
-from .data import parse_input_shape
-from .datasets import DATASET_NAMES
-from .model_spec import MODEL_SPEC_HELP, check_model_spec, is_model_spec
-from .models import MODEL_NAMES
-from .optimizers import DEFAULT_BETAS, OPTIMIZERS
+from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
+from paratrain.errors import ConfigError
+from paratrain.files import check_input_dir
+from paratrain.loop.precision import PRECISIONS
+from paratrain.settings import Settings, at_least, below, finite_positive, one_of, optional, positive, setting
+from paratrain.training.data import parse_input_shape
+from paratrain.training.datasets import DATASET_NAMES
+from paratrain.training.model_spec import MODEL_SPEC_HELP, check_model_spec, is_model_spec
+from paratrain.training.models import MODEL_NAMES
+from paratrain.training.optimizers import DEFAULT_BETAS, OPTIMIZERS
 
 __all__ = [
     "CollectiveSettings",

@@ -5,7 +5,7 @@
     save(par, directory, config, model, optimizer, position, run, extra)
 
 A position counts global batches, so a checkpoint resumes under any strategy and number of devices; under zero1
-and zero2 a checkpoint is a directory of every process's slices (paratrain.shard_checkpoint), read back the same,
+and zero2 a checkpoint is a directory of every process's slices (paratrain.checkpoint.sharded), read back the same,
 each process reading only the slices of its shard. Beside the
 state, a checkpoint records its run (:class:`RunRecord`): the epochs asked for, where the metrics went and every
 epoch's train loss and test accuracy so far, which a resumed run extends and a complete run reports.
@@ -21,15 +21,15 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from ..checkpoint import checkpoint_name, prune_checkpoints
-from ..errors import CheckpointError, ConfigError
-from ..parallel import Parallel
-from ..rng import rng_state, set_rng_state
-from ..shard_checkpoint import read_plain
-from ..state_dicts import check_compatible
-from .config import TrainConfig
-from .optimizers import restore_scheduler
-from .resume import differences, identity
+from paratrain.checkpoint.file import checkpoint_name, prune_checkpoints
+from paratrain.checkpoint.rng import rng_state, set_rng_state
+from paratrain.checkpoint.sharded import read_plain
+from paratrain.checkpoint.state_dicts import check_compatible
+from paratrain.errors import CheckpointError, ConfigError
+from paratrain.parallel import Parallel
+from paratrain.training.config import TrainConfig
+from paratrain.training.optimizers import restore_scheduler
+from paratrain.training.resume import differences, identity
 
 __all__ = ["Position", "RunRecord", "restore", "save"]
 

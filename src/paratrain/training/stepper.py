@@ -20,8 +20,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..parallel import Parallel
-from .timing import StepTimer
+from paratrain.parallel import Parallel
+from paratrain.training.timing import StepTimer
 
 __all__ = ["LossMeter", "StepOutcome", "Stepper"]
 

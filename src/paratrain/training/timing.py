@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..parallel import Parallel
+from paratrain.parallel import Parallel
 
 __all__ = ["PHASES", "StepTimer", "time_breakdown"]
 

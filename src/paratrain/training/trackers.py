@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import ConfigError
-from .logs import install_hint
+from paratrain.errors import ConfigError
+from paratrain.training.logs import install_hint
 
 __all__ = ["TRACKERS", "ExperimentTracker", "check_trackers", "mlflow_store", "open_trackers"]
 

@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..parallel import Parallel
-from .logs import RunLog
-from .stepper import StepOutcome
-from .trackers import ExperimentTracker
+from paratrain.parallel import Parallel
+from paratrain.training.logs import RunLog
+from paratrain.training.stepper import StepOutcome
+from paratrain.training.trackers import ExperimentTracker
 
 __all__ = ["Tracker"]
 

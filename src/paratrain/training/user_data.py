@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ..errors import ConfigError
-from .data import DatasetSplits, TensorData
-from .model_spec import check_model_spec
+from paratrain.errors import ConfigError
+from paratrain.training.data import DatasetSplits, TensorData
+from paratrain.training.model_spec import check_model_spec
 
 __all__ = ["DATA_SPEC_HELP", "check_data_spec", "load_user_data"]
 

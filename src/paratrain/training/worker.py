@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from ..environment import ClusterEnvironment
-from ..errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
-from ..failures import record_error
-from ..launch_config import LaunchConfig
-from .config import TrainConfig
-from .job import train
-from .progress import stdout_closed
+from paratrain.environment import ClusterEnvironment
+from paratrain.errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
+from paratrain.launch.config import LaunchConfig
+from paratrain.launch.failures import record_error
+from paratrain.training.config import TrainConfig
+from paratrain.training.job import train
+from paratrain.training.progress import stdout_closed
 
 EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 

@@ -1,0 +1,1 @@
+"""Checkpoints: one file with a digest, sharded directories, consolidation, state dicts and RNG state."""

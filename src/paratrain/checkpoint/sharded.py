@@ -1,0 +1,399 @@
+"""Checkpoints that no rank holds whole: each rank writes its own slices; any world size reads what it needs.
+
+A sharded checkpoint is a directory named like a checkpoint file without ``.pt``::
+
+    epoch-0001-step-000100/
+        index.pt          every tensor's path in the state, its whole shape and dtype, and where each of its
+                          slices lies (file, range, sha256); the plain values; written last, by rank 0, through
+                          save_checkpoint (atomic, with its own digest)
+        shard-00000.pt    the slices rank 0 wrote, one flat tensor each; shard-00001.pt rank 1's, ...
+
+The layout is that of the state a single process would save (``{"model": model.state_dict(), "optimizer":
+optimizer.state_dict(), ...}``, tensors whole and named as torch names them): a slice is a range of a tensor's
+flattened elements, so nothing in it depends on the world size, the strategy or the buckets that wrote it. A
+value is marked for this layout by what holds it: :class:`LocalSlices` (this rank's ranges of a tensor) and
+:class:`Owned` (a value only this rank has); everything else is rank 0's. Reading gives :class:`StoredTensor`
+leaves that read a range (only the slices that overlap it, memory-mapped, each checked against its digest) or
+the whole tensor; :func:`materialize` turns a state into plain tensors.
+
+Writing goes to a hidden ``.NAME.partial`` directory, renamed into place once the index is written, so a crash
+mid-save leaves the previous checkpoint as it was, and a directory that is there is complete::
+
+    save_sharded(state, directory, "epoch-0001-step-000100", rank=r, world_size=n, barrier=par.barrier)
+    stored = open_sharded(directory / "epoch-0001-step-000100")
+    stored["optimizer"]["state"][3]["exp_avg"].read(1000, 500)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paratrain.checkpoint.file import load_checkpoint, save_checkpoint, state_digest
+from paratrain.errors import CheckpointError, ConfigError
+from paratrain.files import atomic_writer
+
+__all__ = [
+    "INDEX",
+    "LocalSlices",
+    "Owned",
+    "StoredTensor",
+    "has_shards",
+    "is_sharded_checkpoint",
+    "materialize",
+    "open_sharded",
+    "read_plain",
+    "save_sharded",
+    "verify_sharded",
+]
+
+INDEX = "index.pt"
+LAYOUT = "paratrain-sharded"
+LAYOUT_VERSION = 1
+_SLOT = "<paratrain: a tensor stored in slices>"  # where a sliced tensor sits in the index's plain state
+
+Path_ = tuple[Any, ...]  # a value's place in the state: the keys from the top
+
+
+@dataclass
+class LocalSlices:
+    """This rank's ranges of a tensor that no rank holds whole: ``(first element, 1-d values)`` of the flattened
+    tensor of ``shape``. Every rank lists its own; together they cover every element once."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    slices: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class Owned:
+    """A value that only this rank holds (say, an optimizer's step count of a parameter whose start it owns)."""
+
+    value: Any
+
+
+def has_shards(state: Any) -> bool:
+    """Whether ``state`` holds :class:`LocalSlices` or :class:`Owned` values (it then needs :func:`save_sharded`)."""
+    if isinstance(state, (LocalSlices, Owned)):
+        return True
+    if isinstance(state, Mapping):
+        return any(has_shards(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(has_shards(v) for v in state)
+    return False
+
+
+def _split(state: Any, path: Path_, sliced: list[tuple[Path_, LocalSlices]], owned: list[tuple[Path_, Any]]) -> Any:
+    """``state`` without its sharded values (collected with their paths); sliced tensors leave a slot behind."""
+    if isinstance(state, Mapping):
+        plain: dict[Any, Any] = OrderedDict() if isinstance(state, OrderedDict) else {}
+        for key, value in state.items():
+            if isinstance(value, LocalSlices):
+                sliced.append(((*path, key), value))
+                plain[key] = _SLOT
+            elif isinstance(value, Owned):
+                owned.append(((*path, key), value.value))
+            else:
+                plain[key] = _split(value, (*path, key), sliced, owned)
+        return plain
+    if isinstance(state, (list, tuple)):
+        if any(isinstance(v, (LocalSlices, Owned)) for v in state):
+            raise ConfigError(f"sharded values must sit in dicts, not directly in a list; found one at {path}")
+        return type(state)(_split(v, (*path, i), sliced, owned) for i, v in enumerate(state))
+    return state
+
+
+def _shard_file(rank: int) -> str:
+    return f"shard-{rank:05d}.pt"
+
+
+def save_sharded(
+    state: Mapping[str, Any],
+    directory: str | Path,
+    name: str,
+    *,
+    rank: int,
+    world_size: int,
+    barrier: Callable[[], None],
+) -> Path:
+    """Write ``state`` as the sharded checkpoint ``directory/name``; every rank calls it; returns the directory.
+
+    Each rank writes its own slices and owned values; rank 0 writes the plain values and the index, then
+    renames the checkpoint into place (replacing one of the same name). ``barrier`` waits for every rank.
+
+    Raises:
+        CheckpointError: a file could not be written (the previous checkpoint of that name stays), or the ranks'
+            slices do not cover their tensors exactly once.
+    """
+    directory = Path(directory)
+    final, partial = directory / name, directory / f".{name}.partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+        partial.mkdir(parents=True)
+    barrier()
+    sliced: list[tuple[Path_, LocalSlices]] = []
+    owned: list[tuple[Path_, Any]] = []
+    plain = _split(state, (), sliced, owned)
+    data: dict[int, torch.Tensor] = {}
+    records = []
+    for path, value in sliced:
+        for start, values in value.slices:
+            flat = values.detach().reshape(-1).to("cpu", copy=True)  # a copy: saving a view writes its storage
+            key = len(data)
+            data[key] = flat
+            digest = state_digest({"slice": flat})
+            records.append((path, tuple(value.shape), _dtype_name(value.dtype), start, flat.numel(), key, digest))
+    try:
+        with atomic_writer(partial / _shard_file(rank), "wb", durable=True) as stream:
+            torch.save(data, stream)
+        with atomic_writer(partial / f"shard-{rank:05d}.meta.pt", "wb", durable=True) as stream:
+            torch.save({"records": records, "owned": owned}, stream)
+    except OSError as exc:
+        raise CheckpointError(
+            f"rank {rank} could not write its slices of checkpoint {final} ({exc.strerror or exc}); the checkpoints "
+            f"already in {directory} are intact. Check free space and permissions there"
+        ) from exc
+    barrier()
+    if rank == 0:
+        index = _index(partial, plain, world_size)
+        save_checkpoint(index, partial, INDEX)
+        _publish(partial, final)
+    barrier()
+    return final
+
+
+def _index(partial: Path, plain: Any, world_size: int) -> dict[str, Any]:
+    """The index from every rank's records: each tensor's slices (checked to cover it once), the owned values."""
+    tensors: dict[Path_, dict[str, Any]] = {}
+    for r in range(world_size):
+        meta_path = partial / f"shard-{r:05d}.meta.pt"
+        meta = torch.load(meta_path, map_location="cpu", weights_only=True)
+        for path, shape, dtype, start, length, key, digest in meta["records"]:
+            entry = tensors.setdefault(path, {"path": path, "shape": shape, "dtype": dtype, "slices": []})
+            if (entry["shape"], entry["dtype"]) != (shape, dtype):
+                raise CheckpointError(
+                    f"ranks disagree on {_name(path)}: {entry['shape']} {entry['dtype']} and {shape} {dtype}"
+                )
+            entry["slices"].append((_shard_file(r), key, start, length, digest))
+        for path, value in meta["owned"]:
+            _insert(plain, path, value, f"rank {r}'s {_name(path)}")
+        meta_path.unlink()  # what it said is in the index now, under the index's digest
+    for entry in tensors.values():
+        entry["slices"].sort(key=lambda s: s[2])
+        _check_coverage(entry)
+        _insert_slot(plain, entry["path"])
+    files = {f.name: f.stat().st_size for f in sorted(partial.glob("shard-*.pt"))}
+    return {
+        "layout": LAYOUT,
+        "layout_version": LAYOUT_VERSION,
+        "world_size": world_size,
+        "files": files,
+        "tensors": list(tensors.values()),
+        "state": plain,
+    }
+
+
+def _check_coverage(entry: dict[str, Any]) -> None:
+    numel = 1
+    for size in entry["shape"]:
+        numel *= size
+    at = 0
+    for _file, _key, start, length, _digest in entry["slices"]:
+        if start != at:
+            what = "overlap" if start < at else f"leave elements {at}..{start - 1} out"
+            raise CheckpointError(f"the ranks' slices of {_name(entry['path'])} {what}: nothing was published")
+        at += length
+    if at != numel:
+        raise CheckpointError(
+            f"the ranks' slices of {_name(entry['path'])} cover {at} of its {numel} elements: nothing was published"
+        )
+
+
+def _insert(tree: Any, path: Path_, value: Any, what: str) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node.setdefault(key, {}) if isinstance(node, dict) else node[key]
+    if path[-1] in node and node[path[-1]] != _SLOT:
+        raise CheckpointError(f"{what} is also in another rank's state: two ranks claim it")
+    node[path[-1]] = value
+
+
+def _insert_slot(tree: Any, path: Path_) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node.setdefault(key, {}) if isinstance(node, dict) else node[key]
+    node.setdefault(path[-1], _SLOT)
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Rename the finished checkpoint into place (over one of the same name), durably."""
+    _fsync(partial)
+    replaced = final.parent / f".{final.name}.replaced"
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    os.replace(partial, final)
+    _fsync(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _fsync(directory: Path) -> None:
+    if os.name != "posix":
+        return
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory: the files themselves are synced
+    finally:
+        os.close(fd)
+
+
+# -- reading -----------------------------------------------------------------------------------------------------
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / INDEX).is_file()
+
+
+class _Reader:
+    """The shard files of one checkpoint, opened memory-mapped when first needed; each slice checked once."""
+
+    def __init__(self, directory: Path, sizes: Mapping[str, int]) -> None:
+        self.directory = directory
+        self.sizes = dict(sizes)
+        self._files: dict[str, dict[int, torch.Tensor]] = {}
+        self.verified: set[tuple[str, int]] = set()  # (file, key): the slices read so far
+
+    def slice(self, file: str, key: int, digest: str) -> torch.Tensor:
+        if file not in self._files:
+            path = self.directory / file
+            size = path.stat().st_size if path.is_file() else None
+            if size != self.sizes.get(file):
+                found = "missing" if size is None else f"{size} bytes"
+                raise CheckpointError(
+                    f"checkpoint {self.directory}: {file} is {found}, the index says {self.sizes.get(file)} bytes "
+                    f"(cut short, or replaced): resume from an earlier checkpoint"
+                )
+            try:
+                self._files[file] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:
+                raise CheckpointError(f"checkpoint {self.directory}: cannot read {file}: {exc}") from exc
+        values = self._files[file][key]
+        if (file, key) not in self.verified:
+            if state_digest({"slice": values}) != digest:
+                raise CheckpointError(
+                    f"checkpoint {self.directory} is damaged: a slice in {file} does not match its digest (bytes "
+                    f"changed on disk or in a copy); resume from an earlier checkpoint"
+                )
+            self.verified.add((file, key))
+        return values
+
+
+class StoredTensor:
+    """A tensor of a sharded checkpoint, read on demand: a range of its flattened elements, or all of it."""
+
+    def __init__(self, reader: _Reader, entry: Mapping[str, Any]) -> None:
+        self._reader = reader
+        self.path: Path_ = tuple(entry["path"])
+        self.shape = tuple(entry["shape"])
+        self.dtype: torch.dtype = getattr(torch, entry["dtype"])
+        self._slices = list(entry["slices"])
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    def read(self, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the flattened tensor (1-d, on the CPU), from the slices with them."""
+        if start < 0 or length < 0 or start + length > self.numel:
+            raise CheckpointError(f"{_name(self.path)} has {self.numel} elements; asked for {start}..{start + length}")
+        out = torch.empty(length, dtype=self.dtype)
+        for file, key, first, count, digest in self._slices:
+            lo, hi = max(start, first), min(start + length, first + count)
+            if lo < hi:
+                values = self._reader.slice(file, key, digest)
+                out[lo - start : hi - start] = values[lo - first : hi - first]
+        return out
+
+    def full(self) -> torch.Tensor:
+        return self.read(0, self.numel).view(self.shape)
+
+    def __repr__(self) -> str:
+        return f"StoredTensor({_name(self.path)}, shape={self.shape}, dtype={self.dtype})"
+
+
+def open_sharded(path: str | Path) -> dict[str, Any]:
+    """The state of the sharded checkpoint at ``path``, its sliced tensors as :class:`StoredTensor` (nothing read yet).
+
+    Raises:
+        CheckpointError: no index, an index that is damaged or of a newer layout.
+    """
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise CheckpointError(f"{path} is not a sharded checkpoint: it has no {INDEX}")
+    index = load_checkpoint(path / INDEX)  # checks the index's own digest
+    if index.get("layout") != LAYOUT or not isinstance(index.get("layout_version"), int):
+        raise CheckpointError(f"{path / INDEX} is not the index of a paratrain sharded checkpoint")
+    if index["layout_version"] > LAYOUT_VERSION:
+        raise CheckpointError(
+            f"{path} was written by a newer paratrain (sharded layout {index['layout_version']}; this one reads up to "
+            f"{LAYOUT_VERSION}): upgrade paratrain to resume from it"
+        )
+    reader = _Reader(path, index["files"])
+    state: dict[str, Any] = index["state"]
+    for entry in index["tensors"]:
+        _place(state, tuple(entry["path"]), StoredTensor(reader, entry))
+    return state
+
+
+def _place(tree: Any, path: Path_, value: StoredTensor) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+def materialize(state: Any) -> Any:
+    """``state`` with every :class:`StoredTensor` read whole (a plain state, as a single process saves it)."""
+    if isinstance(state, StoredTensor):
+        return state.full()
+    if isinstance(state, Mapping):
+        out: dict[Any, Any] = OrderedDict() if isinstance(state, OrderedDict) else {}
+        for key, value in state.items():
+            out[key] = materialize(value)
+        return out
+    if isinstance(state, (list, tuple)):
+        return type(state)(materialize(v) for v in state)
+    return state
+
+
+def read_plain(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's state without reading any slice: a file whole, a sharded checkpoint's index (lazy tensors)."""
+    return open_sharded(path) if is_sharded_checkpoint(path) else load_checkpoint(path)
+
+
+def verify_sharded(path: str | Path) -> dict[str, Any]:
+    """Read every slice of the checkpoint (checking each digest); the whole state, as :func:`materialize` gives it."""
+    return materialize(open_sharded(path))  # type: ignore[no-any-return]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _name(path: Path_) -> str:
+    return "/".join(str(key) for key in path)

@@ -1,0 +1,1 @@
+"""DistributedDataParallel: the wrapper, its start-up, buckets, the reducer, communication hooks, join."""

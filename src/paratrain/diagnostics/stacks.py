@@ -1,0 +1,128 @@
+"""Where a process is: its Python stacks (every thread), and for a process that cannot answer, what the system says.
+
+    python_stacks()                      # this process: [{"thread": "MainThread", "frames": [...]}, ...]
+    arm_signal_dump()                    # SIGUSR1 then writes every thread's stack to a file (faulthandler)
+    process_state(pid)                   # "running", "sleeping", "stopped", ... or None when it is gone
+    signal_dump(pid, path)               # ask an armed process on this machine for its stacks, read them back
+
+A rank answers the hang report from its board's thread (:mod:`paratrain.diagnostics.hang_report`), which runs while
+the main thread sleeps, waits in a collective or loops in Python. A rank whose main thread holds the GIL inside native
+code cannot answer from Python; faulthandler's signal handler still can, so ranks arm it and a rank on the same
+machine asks through the signal. A stopped process (SIGSTOP) answers nothing until it is continued: its state
+says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["PACKAGE_DIR", "TORCH_DIR", "arm_signal_dump", "process_state", "python_stacks", "signal_dump", "user_frame"]
+
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "in uninterruptible sleep (disk or device)",
+    "T": "stopped (SIGSTOP or a terminal signal)",
+    "t": "stopped by a debugger",
+    "Z": "gone (a zombie: exited, not yet reaped)",
+    "X": "gone",
+    "I": "idle",
+}
+
+
+class _SignalDump:
+    """The process's one SIGUSR1 stack dump: a signal handler belongs to the process, as faulthandler's state does."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.file: IO[str] | None = None
+
+
+_SIGNAL_DUMP = _SignalDump()
+PACKAGE_DIR = str(Path(__file__).resolve().parent)  # frames inside paratrain are not the user's line
+TORCH_DIR = str(Path(str(__import__("torch").__file__)).resolve().parent)
+
+
+def python_stacks() -> list[dict[str, Any]]:
+    """Every thread's Python stack in this process, innermost frame last."""
+    names = {t.ident: (t.name, t.daemon) for t in threading.enumerate()}
+    stacks = []
+    for ident, frame in sys._current_frames().items():
+        name, daemon = names.get(ident, (f"thread {ident}", True))
+        frames = [
+            {"file": f.filename, "line": f.lineno, "function": f.name, "code": (f.line or "").strip()}
+            for f in traceback.extract_stack(frame)
+        ]
+        stacks.append({"thread": name, "daemon": daemon, "frames": frames})
+    stacks.sort(key=lambda s: (s["thread"] != "MainThread", s["daemon"], s["thread"]))
+    return stacks
+
+
+def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The innermost frame outside paratrain, torch and the standard library: the user's line, if any."""
+    stdlib = os.path.dirname(os.__file__)
+    for frame in reversed(frames):
+        path = str(frame.get("file", ""))
+        if path.startswith((PACKAGE_DIR, TORCH_DIR, stdlib)) or path.startswith("<"):
+            continue
+        found: dict[str, Any] = frame
+        return found
+    return None
+
+
+def arm_signal_dump() -> str | None:
+    """Make SIGUSR1 write every thread's stack to a file, once per process; returns the file's path.
+
+    Only where SIGUSR1 is not taken (its handler is the default, which would end the process): a user's handler
+    is never replaced. None when it cannot be armed (taken, not the main thread, or no SIGUSR1 here).
+    """
+    if _SIGNAL_DUMP.path is not None:
+        return str(_SIGNAL_DUMP.path)
+    if not hasattr(signal, "SIGUSR1") or threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
+        return None
+    path = Path(tempfile.gettempdir()) / f"paratrain-stacks-{os.getpid()}.txt"
+    try:
+        file: IO[str] = open(path, "w")  # noqa: SIM115  (faulthandler writes to it for the process's lifetime)
+        faulthandler.register(signal.SIGUSR1, file=file, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    _SIGNAL_DUMP.path, _SIGNAL_DUMP.file = path, file
+    return str(path)
+
+
+def process_state(pid: int) -> str | None:
+    """What the kernel says process ``pid`` (on this machine) is doing; None when there is no such process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return _STATES.get(fields[0], f"state {fields[0]}")
+
+
+def signal_dump(pid: int, path: str, wait: float = 1.0) -> str | None:
+    """Ask armed process ``pid`` for its stacks through SIGUSR1; the text it wrote, or None when it did not."""
+    target = Path(path)
+    with contextlib.suppress(OSError):
+        before = target.stat().st_size
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if target.stat().st_size > before:
+                time.sleep(0.1)  # let it finish writing
+                with open(target) as file:
+                    file.seek(before)
+                    return file.read()
+    return None

@@ -1,0 +1,1 @@
+"""The launcher over torchrun: its configuration, supervision, the worker script, failure summaries."""

@@ -1,0 +1,85 @@
+"""A failed job in a few lines: each worker's last error, recorded where torchrun collects it, and one line per
+failed rank from the launcher.
+
+    record_error("ConfigError: --model mynets:small ...")    # in a worker: torchrun's error file for this rank
+    for line in summary_lines(child_failed_error): print(line)  # in the launcher, instead of torchrun's traceback
+
+torchrun ends a failed job with a ``ChildFailedError`` traceback and a table of every failure, about 45 lines in
+which the error itself does not appear (without torch's ``@record`` decorator on the script's main function
+the table says "To enable traceback see ..."). Each rank's error is recorded here in the file torchrun names in
+``TORCHELASTIC_ERROR_FILE`` (its own format, so its table shows it too), by paratrain's worker and, for any
+script, by :mod:`paratrain.launch.script`; the launcher prints one line per failed rank and writes the whole report to
+a log file it names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+__all__ = ["exit_code_of", "record_error", "summary_lines"]
+
+_NO_RECORD = "To enable traceback see"  # what torchrun's table says for a rank that recorded nothing
+
+
+def record_error(message: str) -> None:
+    """Record ``message`` as this worker's error in torchrun's error file (nothing outside a torchrun worker)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "w") as file:
+            json.dump(data, file)
+    except OSError:  # the summary then says less; the error itself was printed by the worker
+        pass
+
+
+def exit_code_of(exitcode: int) -> int:
+    """A worker's exit code as a shell reports it: 128 + N for a worker that signal N ended."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _ended(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def summary_lines(failures: dict[int, Any], first: int) -> list[str]:
+    """One line per failed rank, the first failure (``first``) first; ``failures`` maps each global rank to
+    torchrun's ``ProcessFailure`` (``exitcode``, ``message``, ``timestamp``)."""
+    root = failures[first]
+    lines = [f"rank {first} {_ended(root.exitcode)}: {_last_line(root.message)}"]
+    for rank in sorted(failures):
+        if rank == first:
+            continue
+        failure = failures[rank]
+        if failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL):  # torchrun stops the others after a failure
+            lines.append(f"rank {rank} was stopped by the launcher after rank {first} failed")
+        else:
+            lines.append(f"rank {rank} {_ended(failure.exitcode)}: {_last_line(failure.message)}")
+    return lines
+
+
+def _last_line(message: Any) -> str:
+    if isinstance(message, dict):  # what an error file holds: {"message": ..., "extraInfo": {...}}
+        message = message.get("message", "")
+    text = str(message or "").strip()
+    if not text or _NO_RECORD in text:
+        return "it recorded no error (its own output above says why)"
+    if text.startswith("Signal ") and "received by PID" in text:
+        return text
+    return text.splitlines()[-1]

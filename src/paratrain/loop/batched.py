@@ -1,0 +1,150 @@
+"""A user's DataLoader whose batches one index operation can make: the fast path of ``Parallel.prepare``.
+
+A DataLoader over a ``TensorDataset`` (or a ``Subset`` of one), with the default collation and no worker
+processes, turns each list of indices its batch sampler yields into the stacked samples at those indices: one
+``index_select`` per tensor. :func:`batched_view` recognises such a loader and returns a :class:`BatchedDataLoader`
+(an :class:`~paratrain.loop.prepared.IndexedLoader`), so each process takes its share of every global batch straight
+from tensors that sit on its device::
+
+    loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)
+    model, loader = par.prepare(model, loader)     # batches by indexing x and y on the device
+    par.describe()                                 # says which path each prepared loader took
+
+The batches are the DataLoader's, bit for bit, in its order: the index lists come from the loader's own batch
+sampler, and every draw the DataLoader makes from the random generators at the start of an epoch is made here
+too (its base seed, then the sampler's), so the generators end the epoch in the same state. A dataset with
+``__getitems__`` (torch's batched fetch) gets this process's share fetched in one call and collated as the
+DataLoader would. Anything else (transforms in ``__getitem__``, a custom ``collate_fn``, workers, iterable
+datasets) stays a plain DataLoader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
+from torch.utils.data._utils.collate import default_collate
+
+__all__ = ["BatchedDataLoader", "batched_view", "why_not_batched"]
+
+# tensors of at most this share of a GPU's free memory are moved there whole; larger ones are indexed on the CPU
+_DEVICE_SHARE = 0.5
+
+
+def why_not_batched(loader: Any) -> str | None:
+    """Why ``loader`` cannot be indexed batch by batch (None when it can)."""
+    if not isinstance(loader, DataLoader):
+        return f"a {type(loader).__name__}, not a torch DataLoader"
+    if loader.num_workers:
+        return f"{loader.num_workers} worker processes"
+    if loader.batch_sampler is None:
+        return "no batch sampler (batch_size=None)"
+    if loader.collate_fn is not default_collate:
+        return f"a custom collate_fn ({getattr(loader.collate_fn, '__name__', type(loader.collate_fn).__name__)})"
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        return "an iterable dataset"
+    if _tensors_of(dataset) is None and not callable(getattr(dataset, "__getitems__", None)):
+        return f"a {type(dataset).__name__} that is indexed one sample at a time"
+    return None
+
+
+def batched_view(loader: Any) -> BatchedDataLoader | None:
+    """The batch-indexed form of ``loader``, or None when it has none (see :func:`why_not_batched`)."""
+    if why_not_batched(loader) is not None:
+        return None
+    found = _tensors_of(loader.dataset)
+    if found is not None:
+        tensors, rows = found
+        return BatchedDataLoader(loader, tensors=tensors, rows=rows)
+    return BatchedDataLoader(loader, getitems=loader.dataset.__getitems__)
+
+
+def _tensors_of(dataset: Dataset[Any]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
+    """A TensorDataset's tensors, and for a Subset (of a Subset...) of one the rows it selects; None otherwise."""
+    rows: torch.Tensor | None = None
+    while isinstance(dataset, Subset) and type(dataset).__getitem__ is Subset.__getitem__:
+        picked = torch.as_tensor(list(dataset.indices), dtype=torch.int64)
+        rows = picked if rows is None else picked[rows]
+        dataset = dataset.dataset
+    # a subclass that overrides __getitem__ may transform samples: only TensorDataset's own indexing is batched
+    if isinstance(dataset, TensorDataset) and type(dataset).__getitem__ is TensorDataset.__getitem__:
+        return tuple(dataset.tensors), rows
+    return None
+
+
+class BatchedDataLoader:
+    """A DataLoader's global batches as index tensors, and the batches made by indexing (an ``IndexedLoader``).
+
+    Args:
+        loader: the user's DataLoader (never changed).
+        tensors: a TensorDataset's tensors (indexed directly), or None with ``getitems``.
+        rows: the rows of ``tensors`` a Subset selects (None: all).
+        getitems: the dataset's ``__getitems__`` (batched fetch), collated by the loader's ``collate_fn``.
+    """
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        *,
+        tensors: tuple[torch.Tensor, ...] | None = None,
+        rows: torch.Tensor | None = None,
+        getitems: Callable[[list[int]], Any] | None = None,
+    ) -> None:
+        self.loader = loader
+        self.tensors = tensors
+        self.rows = rows
+        self.getitems = getitems
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+
+    @property
+    def path(self) -> str:
+        """Which way batches are made, for ``Parallel.describe()``."""
+        if self.tensors is not None:
+            what = "a Subset of a TensorDataset" if self.rows is not None else "a TensorDataset"
+            return f"indexed on {self.device} ({what}: one index_select per tensor and batch)"
+        return f"fetched in one __getitems__ call per batch share ({type(self.loader.dataset).__name__})"
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        for holder in (self.loader, self.loader.sampler, self.loader.batch_sampler):
+            set_epoch = getattr(holder, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+
+    def to(self, device: torch.device) -> BatchedDataLoader:
+        """The same loader over tensors moved to ``device`` (when they fit there; else they stay)."""
+        if self.tensors is None or not _fits(self.tensors, device):
+            return self
+        rows = self.rows.to(device) if self.rows is not None else None
+        return BatchedDataLoader(self.loader, tensors=tuple(t.to(device) for t in self.tensors), rows=rows)
+
+    def batch_indices(self, start: int = 0) -> Iterator[torch.Tensor]:
+        """Each global batch of this epoch as an index tensor, drawn as the DataLoader draws them."""
+        batches = iter(self.loader.batch_sampler)  # type: ignore[arg-type]
+        # the draw every DataLoader iteration makes first (its workers' base seed), so the generators stay in step
+        torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
+        for b, indices in enumerate(batches):
+            if b >= start:
+                yield torch.as_tensor(indices, dtype=torch.int64)
+
+    def take(self, indices: torch.Tensor) -> Any:
+        """The batch of the samples at ``indices``, as the DataLoader collates it (a list of tensors)."""
+        if self.tensors is None:
+            assert self.getitems is not None
+            return self.loader.collate_fn(self.getitems(indices.tolist()))
+        where = indices.to(self.device, non_blocking=True)
+        if self.rows is not None:
+            where = self.rows.index_select(0, where)
+        return [t.index_select(0, where) for t in self.tensors]
+
+
+def _fits(tensors: tuple[torch.Tensor, ...], device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return sum(t.numel() * t.element_size() for t in tensors) <= _DEVICE_SHARE * free

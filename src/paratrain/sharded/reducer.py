@@ -1,0 +1,141 @@
+"""zero2's gradient reducer: each bucket reduce-scattered during backward, each rank keeping only its part.
+
+The buckets, their launch order, the states of an iteration, unused parameters and reentrant backwards are the
+DDP reducer's (:mod:`paratrain.ddp.reducer`, which this subclasses); what differs is where gradients go:
+
+- a bucket's flat buffer exists only while the bucket fills and its reduce-scatter runs: it is taken when the
+  bucket's first gradient arrives and given back once its collective is done, with at most
+  :data:`MAX_IN_FLIGHT` buckets launched and unfinished at a time (the oldest is waited for before another
+  buffer is taken), so the full gradient never exists at once;
+- each parameter's gradient is copied in (divided by the world size, as DDP divides it) and its ``.grad`` freed
+  at once; inside ``no_sync`` gradients accumulate in ``.grad`` as under DDP, and the synchronising backward
+  copies the sum;
+- the reduce-scatter sums every rank's buffer into each rank's part, :attr:`ShardedReducer.grads` (the padded
+  part of each bucket, kept from step to step): the gradients of this rank's pieces of the parameters
+  (:mod:`paratrain.sharded.partition`). Each synchronised backward replaces them: gradients add up across backwards
+  inside ``no_sync`` (``Parallel.accumulate``), where ``.grad`` holds them, not across synchronised backwards
+  (under DDP those add up in ``.grad``; here no rank holds a whole gradient between them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain.ddp.reducer import Reducer
+from paratrain.errors import DistributedError
+from paratrain.sharded.partition import BucketShards, shard_bucket
+
+__all__ = ["MAX_IN_FLIGHT", "ShardedReducer", "all_gather_into", "reduce_scatter_into"]
+
+MAX_IN_FLIGHT = 2  # buckets whose reduce-scatter may run at once; each holds a full bucket buffer meanwhile
+
+_EMPTY = torch.empty(0)
+
+
+def reduce_scatter_into(output: torch.Tensor, buffer: torch.Tensor, group: Any) -> Any:
+    """Start the sum of every rank's ``buffer`` into each rank's ``output`` (its part): the Work."""
+    single = getattr(dist, "reduce_scatter_single", None)  # torch's newer name; reduce_scatter_tensor before
+    start = single if single is not None else dist.reduce_scatter_tensor
+    return start(output, buffer, group=group, async_op=True)
+
+
+def all_gather_into(buffer: torch.Tensor, part: torch.Tensor, group: Any) -> Any:
+    """Start gathering every rank's ``part`` into ``buffer`` (``part`` may be this rank's slice of it): the Work."""
+    single = getattr(dist, "all_gather_single", None)  # torch's newer name; all_gather_into_tensor before
+    start = single if single is not None else dist.all_gather_into_tensor
+    return start(buffer, part, group=group, async_op=True)
+
+
+class ShardedReducer(Reducer):
+    """Bucketed, overlapped reduce-scatter of gradients: this rank keeps its part of each bucket's sum."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], *, rank: int, **kwargs: Any) -> None:
+        self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
+        super().__init__(params, names, **kwargs)
+        self.rank = rank
+        numels = [p.numel() for p in self.params]
+        self.shards: list[BucketShards] = [shard_bucket(b, numels, self.world_size) for b in self.buckets]
+        # this rank's part of each bucket's summed gradient: its pieces' gradients, kept between steps
+        self.grads = [
+            torch.zeros(s.part, dtype=b.dtype, device=b.device) for s, b in zip(self.shards, self.buckets, strict=True)
+        ]
+        self.reduced = [False] * len(self.params)  # the latest synchronised backward reduced parameter i
+
+    # -- buffers that come and go -----------------------------------------------------------------------------
+
+    def _allocate(self, b: int, numel: int | None = None) -> None:
+        # no buffer until the bucket's first gradient arrives (_ensure)
+        self.buffers[b] = _EMPTY
+        for i in self.buckets[b].indices:
+            self.views[i] = _EMPTY
+
+    def _ensure(self, b: int) -> None:
+        """Bucket ``b``'s buffer, taken now if it has none (after the oldest launched bucket is done, if need be)."""
+        if self.buffers[b].numel() or not self.buckets[b].numel:
+            return
+        while len(self._unfinished) >= MAX_IN_FLIGHT:
+            self._settle(self._unfinished[0])
+        bucket, shards = self.buckets[b], self.shards[b]
+        buffer = torch.empty(shards.padded, dtype=bucket.dtype, device=bucket.device)
+        buffer[bucket.numel :].zero_()  # the padding; every parameter's slot is written by its copy-in
+        self.buffers[b] = buffer
+        for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+            p = self.params[i]
+            self.views[i] = buffer.narrow(0, offset, p.numel()).view_as(p)
+
+    def _copy_in(self, index: int, grad: torch.Tensor) -> None:
+        self._ensure(self.bucket_of[index])
+        super()._copy_in(index, grad)
+        self.params[index].grad = None  # the bucket holds it now; only this rank's part is kept after the sum
+
+    def _mark_absent(self, index: int) -> None:
+        if not self._ready[index]:
+            self._ensure(self.bucket_of[index])
+        super()._mark_absent(index)
+
+    def _reset(self) -> None:
+        super()._reset()
+        # what a backward that failed half-way left behind (the next forward starts clean)
+        for b in self._unfinished:
+            self._allocate(b)
+        self._unfinished = []
+
+    # -- the collectives ----------------------------------------------------------------------------------------
+
+    def _start(self, b: int) -> Any:
+        self._ensure(b)
+        self._unfinished.append(b)
+        return reduce_scatter_into(self.grads[b], self.buffers[b], self.group)
+
+    def _settle(self, b: int) -> None:
+        """Wait for bucket ``b``'s reduce-scatter and give its buffer back."""
+        handle, seq = self._launched[b]  # buckets launch in index order
+        self.monitor.wait(handle, seq, f"gradient reduce-scatter of bucket {b}")
+        self._allocate(b)
+        self._unfinished.remove(b)
+
+    def _write_back(self, used: list[int] | None) -> None:
+        # every bucket was waited for (finish): settle the rest; no rank holds a whole gradient afterwards
+        for b in list(self._unfinished):
+            self._settle(b)
+        self.reduced = [used is None or used[i] != 0 for i in range(len(self.params))]
+        for p in self.params:
+            p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear this rank's gradients: gone (``set_to_none``), or zeros."""
+        if set_to_none:
+            self.reduced = [False] * len(self.params)
+            return
+        for g in self.grads:
+            g.zero_()
+
+    def shadow(self) -> None:
+        raise DistributedError("join() is not supported under zero2: give every rank the same number of batches")
+
+    def reduce_buffers(self, why: str = "") -> None:
+        raise DistributedError("zero2 reduces its gradients during backward only")

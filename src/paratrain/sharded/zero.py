@@ -1,0 +1,267 @@
+"""Sharded data parallel (ZeRO stages 1 and 2): DDP's training, with the optimizer state and gradients split.
+
+    torchrun --nproc-per-node 4 train.py            # or: paratrain launch; or Parallel("zero2") in train.py
+    model = ZeroDataParallel(model, stage=2)         # after torch.distributed.init_process_group()
+    optimizer = shard_optimizer(torch.optim.AdamW(model.parameters()), model)   # what par.prepare() does
+    loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+
+The model is our :class:`~paratrain.ddp.distributed.DistributedDataParallel` (start-up broadcast, buckets overlapped
+with backward, ``no_sync``, timeouts naming missing ranks), and then:
+
+- every bucket's parameters become views of one flat buffer per bucket, padded to ``world_size`` equal parts
+  (:mod:`paratrain.sharded.partition`): rank ``r`` owns part ``r`` of every bucket, parameters straddling parts freely;
+- the optimizer (:mod:`paratrain.sharded.optimizer`) holds the state of this rank's parts only, updates them,
+  and all-gathers each bucket's weights back into every rank, bucket by bucket as its update ends;
+- stage 1 (``zero1``) all-reduces gradients as DDP does (``gradient_as_bucket_view``: the buckets are the
+  gradients); stage 2 (``zero2``) reduce-scatters each bucket during backward instead and keeps this rank's
+  part of it only (:mod:`paratrain.sharded.reducer`).
+
+Gradients are divided by the world size before they are summed, as DDP divides them, so the sums, and the
+parameters after each step, are DDP's bit for bit wherever the collective adds in the same order (any world
+size under zero1, and at two ranks under zero2; docs/sharding.md has the measurements).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
+from paratrain.comm.process_groups import no_python_in_work
+from paratrain.ddp.distributed import DistributedDataParallel
+from paratrain.ddp.reducer import Reducer
+from paratrain.devices import DeviceLike
+from paratrain.errors import ConfigError, DistributedError
+from paratrain.sharded.grad_norm import norm_terms
+from paratrain.sharded.optimizer import OwnedPiece
+from paratrain.sharded.partition import BucketShards, shard_bucket
+from paratrain.sharded.reducer import ShardedReducer, all_gather_into
+
+__all__ = ["STAGES", "ZeroDataParallel"]
+
+STAGES = (1, 2)
+
+
+class ZeroDataParallel(DistributedDataParallel):
+    """DDP with the optimizer state (``stage=1``), and the gradients too (``stage=2``), sharded across ranks.
+
+    Args:
+        module: the model, on this process's device.
+        stage: 1 (optimizer state sharded, gradients all-reduced) or 2 (gradients reduce-scattered as well).
+        device_ids, process_group, bucket_cap_mb, timeout, hang_report: as for
+            :class:`~paratrain.ddp.distributed.DistributedDataParallel`.
+
+    Raises:
+        ConfigError: a stage other than 1 or 2.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        device_ids: Sequence[DeviceLike] | None = None,
+        process_group: Any = None,
+        bucket_cap_mb: float | None = None,
+        *,
+        timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
+        hang_report: str | None = None,
+    ) -> None:
+        if stage not in STAGES:
+            raise ConfigError(f"ZeRO stage must be 1 (optimizer state sharded) or 2 (and gradients); found {stage!r}")
+        self.stage = stage  # _make_reducer, called by the constructor below, reads it
+        super().__init__(
+            module,
+            device_ids=device_ids,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=stage == 1,  # the buckets are the gradients: no second copy
+            timeout=timeout,
+            hang_report=hang_report,
+        )
+        reducer = self.reducer
+        if isinstance(reducer, ShardedReducer):
+            self.shards: list[BucketShards] = reducer.shards
+        else:
+            numels = [p.numel() for p in reducer.params]
+            self.shards = [shard_bucket(b, numels, self.world_size) for b in reducer.buckets]
+        self.flat = self._flatten()
+        # each bucketed parameter's position in the reducer's list, and where it starts in its bucket
+        self._index = {id(p): i for i, p in enumerate(reducer.params)}
+        self._start_in_bucket = {
+            i: offset for bucket in reducer.buckets for i, offset in zip(bucket.indices, bucket.offsets, strict=True)
+        }
+        self._gathers: list[tuple[int, Any, int]] = []  # (bucket, Work, collective number) not waited for yet
+        self._synchronised: list[Callable[[], None]] = []
+        reducer.on_synchronised = self._after_sync
+
+    def _make_reducer(self, params: list[nn.Parameter], names: list[str]) -> Reducer:
+        if self.stage == 1:
+            return super()._make_reducer(params, names)
+        return ShardedReducer(
+            params,
+            names,
+            rank=dist.get_rank(self.process_group),
+            group=self.process_group,
+            monitor=self.monitor,
+            bucket_cap_bytes=self._bucket_cap_bytes,
+            find_unused=self.find_unused_parameters,
+            grad_as_view=False,
+            static_graph=self.static_graph,
+            overlap=self._overlap,
+        )
+
+    def _flatten(self) -> list[torch.Tensor]:
+        """Make every bucket's parameters views of one padded flat buffer (the weights rank 0 broadcast)."""
+        flat = []
+        for bucket, shards in zip(self.reducer.buckets, self.shards, strict=True):
+            buffer = torch.zeros(shards.padded, dtype=bucket.dtype, device=bucket.device)
+            with torch.no_grad():
+                for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+                    p = self.reducer.params[i]
+                    view = buffer.narrow(0, offset, p.numel()).view_as(p)
+                    view.copy_(p)
+                    p.data = view  # the same Parameter (optimizers, hooks and names still hold it), new storage
+            flat.append(buffer)
+        return flat
+
+    # -- what the sharded optimizer works on (sharded_optimizer.ShardSource) --------------------------------------
+
+    @property
+    def bucket_count(self) -> int:
+        return len(self.shards)
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """This rank's pieces of every bucket's parameters, in bucket order."""
+        pieces = []
+        for b, shards in enumerate(self.shards):
+            base = self.rank * shards.part
+            for piece in shards.pieces[self.rank]:
+                value = self.flat[b].narrow(0, base + piece.offset, piece.length)
+                pieces.append(OwnedPiece(self.reducer.params[piece.param], b, piece.start, value))
+        return pieces
+
+    def trains(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the parameters whose gradients this wrapper reduces (and shards)."""
+        return id(param) in self._index
+
+    def piece_grad(self, piece: OwnedPiece) -> torch.Tensor | None:
+        """The reduced gradient of ``piece`` (a view), or None when its parameter has none."""
+        b, index = piece.bucket, self._index[id(piece.param)]
+        at = self._start_in_bucket[index] + piece.start  # the piece's first element in the bucket
+        reducer = self.reducer
+        if isinstance(reducer, ShardedReducer):
+            if not reducer.reduced[index]:
+                return None
+            return reducer.grads[b].narrow(0, at - self.rank * self.shards[b].part, piece.length)
+        if piece.param.grad is None:
+            return None
+        return reducer.buffers[b].narrow(0, at, piece.length)
+
+    def launch_gather(self, bucket: int) -> None:
+        """Start the all-gather that gives every rank bucket ``bucket``'s updated weights from their owners."""
+        shards, buffer = self.shards[bucket], self.flat[bucket]
+        part = buffer.narrow(0, self.rank * shards.part, shards.part)
+        seq = self.monitor.launched()
+        with no_python_in_work():
+            work = all_gather_into(buffer, part, self.process_group)
+        self._gathers.append((bucket, work, seq))
+
+    def wait_gathers(self) -> None:
+        """Wait for every all-gather started: from here on every rank holds the whole model."""
+        gathers, self._gathers = self._gathers, []
+        for b, work, seq in gathers:
+            self.monitor.wait(work, seq, f"all-gather of updated parameters, bucket {b}")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        """Clear the gradients: the model's ``.grad`` (zero1: views of the buckets) and this rank's parts."""
+        for p in self.reducer.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                with torch.no_grad():
+                    p.grad.zero_()
+        if isinstance(self.reducer, ShardedReducer):
+            self.reducer.zero_grad(set_to_none)
+
+    def agree_found_inf(self, found: dict[torch.device, torch.Tensor]) -> None:
+        """The gradient scaler's per-device inf/nan flags, made the maximum over every rank (in place)."""
+        device = self.flat[0].device if self.flat else torch.device("cpu")
+        if not found:  # this rank's pieces had no gradient: it still takes part, with nothing found
+            found[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        for flag in found.values():
+            mine = flag.to(self._control_device())
+            seq = self.monitor.launched()
+            work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+            self.monitor.wait(work, seq, "inf/nan check of the scaled gradients")
+            flag.copy_(mine)
+
+    def on_synchronised(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` at the end of every backward that reduced gradients (optimizers assign theirs)."""
+        self._synchronised.append(callback)
+
+    def _after_sync(self) -> None:
+        for callback in self._synchronised:
+            callback()
+
+    # -- global views ----------------------------------------------------------------------------------------
+
+    def shard_norm_terms(self, pieces: Sequence[OwnedPiece], norm_type: float) -> torch.Tensor:
+        """This rank's part of the global gradient norm: sum of |g|^p over its pieces (max for inf), float64."""
+        terms = [g for piece in pieces if (g := self.piece_grad(piece)) is not None]
+        return norm_terms(terms, norm_type, self._control_device())
+
+    def full_gradients(self) -> list[torch.Tensor | None]:
+        """Every bucketed parameter's whole reduced gradient (a collective: every rank calls it), in reducer order.
+
+        For checks (paratrain verify): gathers this rank's parts of every bucket from every rank.
+        """
+        grads: list[torch.Tensor | None] = [None] * len(self.reducer.params)
+        for b, shards in enumerate(self.shards):
+            bucket = self.reducer.buckets[b]
+            part = torch.zeros(shards.part, dtype=bucket.dtype, device=bucket.device)
+            for piece in self.owned_pieces():
+                if piece.bucket == b and (g := self.piece_grad(piece)) is not None:
+                    at = self._start_in_bucket[self._index[id(piece.param)]] + piece.start - self.rank * shards.part
+                    part.narrow(0, at, piece.length).copy_(g)
+            whole = torch.empty(shards.padded, dtype=bucket.dtype, device=bucket.device)
+            seq = self.monitor.launched()
+            self.monitor.wait(all_gather_into(whole, part, self.process_group), seq, f"gradients of bucket {b}")
+            for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+                p = self.reducer.params[i]
+                if self._has_grad(i):
+                    grads[i] = whole.narrow(0, offset, p.numel()).view_as(p).clone()
+        return grads
+
+    def _has_grad(self, index: int) -> bool:
+        reducer = self.reducer
+        if isinstance(reducer, ShardedReducer):
+            return reducer.reduced[index]
+        return reducer.params[index].grad is not None
+
+    # -- what DDP offers and the sharded wrapper does not -----------------------------------------------------
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(
+            f"join() is not supported under zero{self.stage}: give every rank the same number of batches (a "
+            f"prepared loader does), or use strategy ddp for uneven inputs"
+        )
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        raise ConfigError(
+            f"communication hooks are not supported under zero{self.stage}: its collectives are reduce-scatters "
+            f"and all-gathers of the shards; use strategy ddp for a hook"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise DistributedError(
+            "a ZeroDataParallel cannot be pickled: save its state through Parallel.save (a sharded checkpoint), "
+            "or model.module.state_dict()"
+        )
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage}, {super().extra_repr()}"
