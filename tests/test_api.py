@@ -59,31 +59,91 @@ def test_import_paratrain_loads_the_engine_only():
 
 
 def _engine_modules() -> list[Path]:
-    files = [*PACKAGE.glob("*.py"), *(PACKAGE / "strategies").glob("*.py")]
-    return [f for f in files if f.name not in NOT_ENGINE]
+    """Every module of the engine: the package less the application's subpackages and the entry point."""
+    files = [f for f in PACKAGE.rglob("*.py") if f.relative_to(PACKAGE).parts[0] not in APPLICATION]
+    return sorted(f for f in files if f.name not in NOT_ENGINE or f.parent != PACKAGE)
+
+
+def _imported(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in ``path``, relative ones resolved against its package."""
+    package = [PACKAGE.name, *path.relative_to(PACKAGE).parent.parts]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([target] if target else []))
+            found += [(node.lineno, target)] + [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return found
+
+
+def test_the_engine_is_found_in_its_subpackages():
+    names = {str(p.relative_to(PACKAGE)) for p in _engine_modules()}
+    assert {"parallel.py", "ddp/reducer.py", "sharded/zero.py", "strategies/base.py", "launch/torchrun.py"} <= names
+    assert not any(n.startswith(APPLICATION) for n in names)
 
 
 @pytest.mark.parametrize("path", _engine_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_engine_code_never_imports_the_application(path):
-    tree = ast.parse(path.read_text())
-    depth = len(path.relative_to(PACKAGE).parts)  # 1 for paratrain/x.py, 2 for paratrain/strategies/x.py
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            target = node.module or ""
-            if node.level:  # relative: resolve against the package
-                if node.level < depth:
-                    continue  # inside a subpackage of the engine (strategies)
-                target = f"paratrain.{target}" if target else "paratrain"
-            names = [target] + [f"{target}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            assert not (parts[0] == "paratrain" and parts[1:2] and parts[1] in APPLICATION), (
-                f"{path.name}:{node.lineno} imports {name}"
-            )
+    for line, name in _imported(path):
+        parts = name.split(".")
+        assert not (parts[0] == "paratrain" and parts[1:2] and parts[1] in APPLICATION), f"{path.name}:{line} {name}"
+
+
+# Each layer of the engine and the layers it may import, lowest first: the foundation (errors, settings, the
+# environment, devices, trees, files: the modules directly in paratrain/) imports none of the others; diagnostics
+# and comm sit below ddp, ddp below sharded, the strategies above them, the loop above the strategies, Parallel on
+# top. A subpackage that reaches upwards (the reducer importing a strategy, say) fails here, named.
+LAYERS: dict[str, set[str]] = {
+    "foundation": set(),
+    "diagnostics": {"foundation"},
+    "checkpoint": {"foundation"},
+    "launch": {"foundation", "diagnostics"},
+    "dp": {"foundation", "diagnostics"},
+    "comm": {"foundation", "diagnostics"},
+    "ddp": {"foundation", "diagnostics", "comm"},
+    "sharded": {"foundation", "diagnostics", "comm", "ddp", "checkpoint"},
+    "strategies": {"foundation", "diagnostics", "comm", "dp", "ddp", "sharded", "checkpoint"},
+    "loop": {"foundation", "diagnostics", "comm", "dp", "ddp", "sharded", "checkpoint", "strategies"},
+    "parallel": {"foundation", "diagnostics", "comm", "dp", "ddp", "sharded", "checkpoint", "strategies", "loop"},
+}
+TOP = {"parallel.py": "parallel", "__init__.py": "api"}
+
+
+def _layer(relative: Path) -> str:
+    if len(relative.parts) == 1:
+        return TOP.get(relative.name, "foundation")
+    return relative.parts[0]
+
+
+def _layer_of_module(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] != "paratrain" or len(parts) == 1:
+        return None
+    if (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return TOP.get(f"{parts[1]}.py", "foundation") if (PACKAGE / f"{parts[1]}.py").exists() else None
+
+
+def test_every_subpackage_of_the_engine_has_a_layer():
+    subpackages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} - set(APPLICATION)
+    assert subpackages == set(LAYERS) - {"foundation", "parallel"}
+
+
+@pytest.mark.parametrize("path", _engine_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_engine_depends_one_way_layer_by_layer(path):
+    layer = _layer(path.relative_to(PACKAGE))
+    if layer == "api":
+        return  # the package's __init__ re-exports the public names from every layer
+    allowed = LAYERS[layer] | {layer}
+    for line, name in _imported(path):
+        target = _layer_of_module(name)
+        assert target is None or target in allowed, (
+            f"{path.relative_to(PACKAGE)}:{line} imports {name}: the {layer} layer may import only {sorted(allowed)}"
+        )
 
 
 @pytest.mark.parametrize(
@@ -162,6 +222,29 @@ def test_the_import_graph_has_no_cycle():
         visit(module, [])
 
 
+TENSOR_MAKERS = {"tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn", "as_tensor", "from_numpy"}
+
+
+def path_tensors(path: Path) -> list[ast.stmt]:
+    """Module-level statements of ``path`` that make a torch tensor (``torch.empty(0)``, ``torch.zeros(...)``)."""
+    made = []
+    for node in ast.parse(path.read_text()).body:
+        value = getattr(node, "value", None)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(value, ast.Call):
+            func = value.func
+            if isinstance(func, ast.Attribute) and func.attr in TENSOR_MAKERS:
+                root = func.value
+                if isinstance(root, ast.Name) and root.id == "torch":
+                    made.append(node)
+    return made
+
+
+def test_the_tensor_check_sees_a_module_level_tensor(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\n_EMPTY = torch.empty(0)\nLIMIT: int = 3\n")
+    assert [n.lineno for n in path_tensors(probe)] == [2]
+
+
 def test_the_engine_keeps_no_mutable_state_at_module_level():
     """Lists, dicts, sets and counters of the engine live on the objects that own them (constants are CAPITALS)."""
     mutable_calls = {"list", "dict", "set", "count", "defaultdict", "OrderedDict", "WeakKeyDictionary"}
@@ -183,6 +266,8 @@ def test_the_engine_keeps_no_mutable_state_at_module_level():
                 called = getattr(call, "attr", getattr(call, "id", None))
                 if isinstance(value, (ast.List, ast.Dict, ast.Set)) or called in mutable_calls:
                     found.append(f"{path.name}:{node.lineno} {target.id}")
+        # a tensor is mutable state whatever its name's case: one object shared by every caller (and device)
+        found += [f"{path.name}:{node.lineno} a tensor" for node in path_tensors(path)]
         found += [
             f"{path.name}:{n.lineno} global" for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Global)
         ]

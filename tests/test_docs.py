@@ -3,6 +3,8 @@ where the command is and how to install into an environment of their own."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -31,3 +33,57 @@ def test_the_readmes_launch_commands_run_a_script_of_the_repository():
 def test_the_readme_says_where_the_command_is_and_how_to_install_it_elsewhere():
     readme = (ROOT / "README.md").read_text()
     assert "`.venv/bin/paratrain`" in readme and "pip install -e ." in readme
+
+
+def _layout_doc():
+    spec = importlib.util.spec_from_file_location("layout_doc", ROOT / "scripts" / "layout_doc.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_layout_page_maps_every_module_as_the_tree_has_it():
+    layout = _layout_doc()
+    page = (ROOT / "docs" / "layout.md").read_text()
+    assert layout.current_map(page) == layout.module_map(), (
+        "docs/layout.md's module map differs from the tree: run `python scripts/layout_doc.py --write`"
+    )
+
+
+REFERRING = [*PAGES, *sorted((ROOT / "examples").glob("*.py"))]
+DOTTED = re.compile(r"(?<![\w.])paratrain(?:\.[A-Za-z_]\w*)+")
+PATHS = re.compile(
+    r"(?<![\w/.-])((?:src/)?paratrain/[\w/]+\.py|(?:tests|benchmarks|scripts|examples|docs)/[\w/-]+\.(?:py|md))"
+)
+
+
+def _resolves(dotted: str) -> bool:
+    """Is ``dotted`` a module of ours, or a name in one (``paratrain.ddp.reducer.Reducer``, ``paratrain.Parallel``)?"""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if found:
+            target = importlib.import_module(name)
+            for attr in parts[cut:]:
+                if not hasattr(target, attr):
+                    return False
+                target = getattr(target, attr)
+            return True
+    return False
+
+
+@pytest.mark.parametrize("page", REFERRING, ids=[p.name for p in REFERRING])
+def test_the_modules_and_files_a_page_names_exist(page):
+    text = page.read_text()
+    modules = sorted({m for m in DOTTED.findall(text) if not _resolves(m)})
+    files = sorted(
+        f
+        for f in set(PATHS.findall(text))
+        if not (ROOT / (f if not f.startswith("paratrain/") else f"src/{f}")).is_file()
+    )
+    assert (modules, files) == ([], []), f"{page.name} names modules {modules} and files {files} that do not exist"
