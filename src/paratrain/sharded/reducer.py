@@ -42,8 +42,6 @@ __all__ = ["MAX_IN_FLIGHT", "ShardedReducer", "all_gather_into", "reduce_scatter
 
 MAX_IN_FLIGHT = 2  # buckets whose reduce-scatter may run at once; each holds a full bucket buffer meanwhile
 
-_EMPTY = torch.empty(0)
-
 
 def reduce_scatter_into(output: torch.Tensor, buffer: torch.Tensor, group: Any) -> Any:
     """Start the sum of every rank's ``buffer`` into each rank's ``output`` (its part): the Work."""
@@ -64,6 +62,7 @@ class ShardedReducer(Reducer):
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], *, rank: int, **kwargs: Any) -> None:
         self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
+        self._placeholders: dict[int, torch.Tensor] = {}  # each bucket's buffer while it has none (_allocate)
         super().__init__(params, names, **kwargs)
         self.rank = rank
         numels = [p.numel() for p in self.params]
@@ -78,10 +77,14 @@ class ShardedReducer(Reducer):
     # -- buffers that come and go -----------------------------------------------------------------------------
 
     def _allocate(self, b: int, numel: int | None = None) -> None:
-        # no buffer until the bucket's first gradient arrives (_ensure)
-        self.buffers[b] = _EMPTY
-        for i in self.buckets[b].indices:
-            self.views[i] = _EMPTY
+        # no buffer until the bucket's first gradient arrives (_ensure): an empty one of the bucket's own
+        bucket = self.buckets[b]
+        empty = self._placeholders.get(b)
+        if empty is None:
+            empty = self._placeholders[b] = torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+        self.buffers[b] = empty
+        for i in bucket.indices:
+            self.views[i] = empty
 
     def _ensure(self, b: int) -> None:
         """Bucket ``b``'s buffer, taken now if it has none (after the oldest launched bucket is done, if need be)."""
