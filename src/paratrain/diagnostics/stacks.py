@@ -49,7 +49,7 @@ class _SignalDump:
 
 
 _SIGNAL_DUMP = _SignalDump()
-PACKAGE_DIR = str(Path(__file__).resolve().parent)  # frames inside paratrain are not the user's line
+PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # frames inside paratrain are not the user's line
 TORCH_DIR = str(Path(str(__import__("torch").__file__)).resolve().parent)
 
 
