@@ -1,4 +1,5 @@
-"""Writing files without destroying what is not ours: regular files, devices, links, directories, dead writers."""
+"""Writing files without destroying what is not ours: regular files, devices, links, directories, dead writers,
+and the files a process needs while it runs, in a temporary directory others share."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.diagnostics.stacks import signal_dump
 from paratrain.errors import ConfigError
-from paratrain.files import atomic_writer, check_output, remove_stale_temporaries
+from paratrain.files import JOB_DIR_ENV, atomic_writer, check_output, remove_stale_temporaries, scratch_directory
+from paratrain.launch.failures import record_error
 from processes import run_cli
 
 
@@ -131,3 +134,97 @@ def test_metrics_out_to_a_device_or_a_link_keeps_it_what_it_was(tmp_path):
         os.close(primary)
         os.close(secondary)
     assert link.is_symlink() and "model_fingerprint" in json.loads(real.read_text())
+
+
+def test_with_follow_links_false_a_planted_link_is_replaced_and_its_target_kept(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "victim-dir").mkdir()
+    for name, target in (("to-file", victim), ("to-dir", tmp_path / "victim-dir"), ("to-null", Path(os.devnull))):
+        planted = tmp_path / name
+        planted.symlink_to(target)
+        with atomic_writer(planted, "w", follow_links=False) as f:
+            f.write("ours")
+        assert not planted.is_symlink() and planted.read_text() == "ours", name
+    assert victim.read_text() == "precious" and list((tmp_path / "victim-dir").iterdir()) == []
+
+
+def test_the_error_file_of_a_worker_never_follows_a_link_planted_at_its_name(tmp_path, monkeypatch):
+    """torchrun names each rank's error file (.../attempt_0/RANK/error.json): a name anyone can predict."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    planted = tmp_path / "error.json"
+    planted.symlink_to(victim)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(planted))
+    record_error("ConfigError: on purpose")
+    assert victim.read_text() == "precious"
+    assert (
+        not planted.is_symlink() and json.loads(planted.read_text())["message"]["message"] == "ConfigError: on purpose"
+    )
+
+
+def test_scratch_files_go_in_the_jobs_directory_only_when_it_is_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "shared"))
+    (tmp_path / "shared").mkdir()
+    job = tmp_path / "job"
+    job.mkdir(mode=0o700)
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.setenv(JOB_DIR_ENV, str(job))
+    assert scratch_directory() == job
+    job.chmod(0o777)  # others may write there: as shared as TMPDIR, so TMPDIR it is
+    assert scratch_directory() == tmp_path / "shared"
+    job.chmod(0o700)
+    (tmp_path / "link").symlink_to(job)
+    monkeypatch.setenv(JOB_DIR_ENV, str(tmp_path / "link"))
+    assert scratch_directory() == tmp_path / "shared"
+
+
+_ARMED = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    from pathlib import Path
+    # the links someone may plant, at every name this process can predict: the old one, with its pid
+    for name in (f"paratrain-stacks-{os.getpid()}.txt", f"paratrain-stacks-{os.getpid()}-.txt"):
+        (Path(tempfile.gettempdir()) / name).symlink_to(sys.argv[1])
+    from paratrain.diagnostics.stacks import arm_signal_dump
+    print(arm_signal_dump(), flush=True)
+    sys.stdin.readline()  # until the test has looked
+    """
+)
+
+
+def _armed(shared: Path, victim: Path) -> tuple[subprocess.Popen[str], Path]:
+    env = {**os.environ, "TMPDIR": str(shared)}
+    env.pop(JOB_DIR_ENV, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ARMED, str(victim)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    return proc, Path(proc.stdout.readline().strip())
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("asked", [False, True], ids=["never asked", "asked for its stacks"])
+def test_the_stack_file_follows_no_planted_link_and_goes_at_exit_unless_it_holds_stacks(tmp_path, asked):
+    """The reported case: paratrain-stacks-<pid>.txt in the shared temporary directory followed a planted link (its
+    target was truncated) and stayed after every run."""
+    shared, victim = tmp_path / "shared", tmp_path / "victim.txt"
+    shared.mkdir()
+    victim.write_text("precious")
+    proc, path = _armed(shared, victim)
+    try:
+        assert victim.read_text() == "precious"
+        assert path.parent == shared and path.is_file() and not path.is_symlink(), path
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        text = signal_dump(proc.pid, str(path), wait=10.0) if asked else None
+        assert not asked or (text is not None and "Current thread" in text and "<string>" in text), text
+        proc.communicate("done\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and victim.read_text() == "precious"
+    planted = sorted(p.name for p in shared.iterdir() if p.is_symlink())
+    left = sorted(p.name for p in shared.iterdir() if not p.is_symlink())
+    assert len(planted) == 2
+    assert left == ([path.name] if asked else []), left  # kept only with the stacks someone asked for

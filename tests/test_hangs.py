@@ -41,11 +41,11 @@ def _run(command: list[str]) -> tuple[int, float, str]:
 
 
 def _matrix_run(launcher: str, api: str, fault: str, workdir: Path) -> tuple[int, float, str, dict | None]:
-    workdir.mkdir()
+    (workdir / "tmp").mkdir(parents=True)  # the job's own temporary directory: what it leaves there is seen
     steps = "200" if fault == "only0" else "60"
     command = [*_launchers()[launcher], str(SCRIPTS / "user_hang.py"), "--api", api]
     command += ["--fault", fault, "--timeout", str(TIMEOUT), "--steps", steps]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(workdir / "tmp")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env, cwd=workdir)
     output = done.stdout + done.stderr
     report = workdir / "paratrain-hang-report.json"
@@ -63,8 +63,17 @@ def _rank(report: dict, rank: int) -> dict:
     return next(r for r in report["ranks"] if r["rank"] == rank)
 
 
+def _left_unnamed(tmp: Path, output: str) -> list[str]:
+    """What the job left in its temporary directory that no line of its output names: the directory's entries,
+    and every stack file in them (torch's compile cache, torchinductor_<user>, is torch's and stays)."""
+    entries = [p for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+    entries += list(tmp.rglob("paratrain-stacks-*"))
+    return sorted(str(p) for p in entries if str(p) not in output)
+
+
 JOBS = [  # (launcher, API, fault): the fault matrix under paratrain launch, and the stall under torch's launchers
     *[("paratrain launch", "parallel", f) for f in ("sleep", "stop", "loop", "kill", "only0", "shapes", "slow")],
+    ("paratrain launch", "parallel", "native"),  # only faulthandler's signal shows rank 1: its stack file is named
     ("torchrun", "ddp", "sleep"),
     ("python -m torch.distributed.run", "parallel", "sleep"),
 ]
@@ -78,6 +87,9 @@ def test_the_fault_matrix_each_job_ends_and_its_report_names_the_rank_its_state_
         runs = list(pool.map(lambda job: _matrix_run(*job, tmp_path / "-".join(job[::2]).replace(" ", "_")), JOBS))
     for (launcher, _, fault), (code, seconds, output, report) in zip(JOBS, runs, strict=True):
         tail = f"{launcher}, {fault}: exit {code}, {seconds:.0f} s after the fault\n{output[-4000:]}"
+        if launcher == "paratrain launch":  # its job's files: the ones a line names, or none
+            tmp = tmp_path / f"{launcher}-{fault}".replace(" ", "_") / "tmp"
+            assert _left_unnamed(tmp, output) == [], tail
         if fault == "slow":  # no fault: the job finishes, and the slower rank is the one the others waited for
             assert code == 0 and report is None, tail
             waits = {int(r): float(w) for r, w in re.findall(r"rank (\d) finished, waited ([\d.]+) s", output)}
@@ -92,6 +104,14 @@ def test_the_fault_matrix_each_job_ends_and_its_report_names_the_rank_its_state_
             assert one["state"] == "alive" or one["stacks_text"], one["state"]
             assert f"user_hang.py:{line}" in one["user_line"], one["user_line"]
             assert "user_hang.py" in _rank(report, 0)["user_line"] and _rank(report, 0)["waiting_in"], tail
+        elif fault == "native":  # held in C, it cannot answer: its stacks come through faulthandler, into its file
+            assert report is not None and "rank(s) 1 did not arrive" in output, tail
+            one = _rank(report, 1)
+            assert one["state"].startswith("did not answer from Python") and one["stacks_text"], one["state"]
+            assert f"user_hang.py:{_line_of('sum(itertools.count())')}" in one["user_line"], one["user_line"]
+            named = Path(one["stacks_file"])  # on this machine: the report named it, so it stays after the job
+            assert named.read_text() == one["stacks_text"], named
+            assert f"its stacks, as faulthandler wrote them: {named}" in output, tail
         elif fault == "stop":
             assert report is not None and _rank(report, 1)["state"].startswith("stopped"), tail
             assert "rank(s) 1 did not arrive; rank(s) 1 show no sign of life" in output, tail

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -245,7 +246,8 @@ def test_a_failing_worker_is_one_line_with_its_error_and_the_job_exits_with_its_
     assert "ChildFailedError" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     report = lines[-1].removeprefix("paratrain launch: torchrun's full report: ")
     assert report != lines[-1] and "ChildFailedError" in Path(report).read_text()  # kept where the line says
-    Path(report).unlink()
+    assert Path(report).parent.name.startswith("paratrain-launch-")  # the job's directory: remove it once read
+    shutil.rmtree(Path(report).parent)
     # the wrapper runs as __main__ without `import paratrain` having loaded it first (runpy's RuntimeWarning)
     assert "RuntimeWarning" not in done.stderr, done.stderr
 

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.processes  # every test here starts processes
 EPOCHS = "2"
 
 
-def _train(*args: str):
+def _train(*args: str, env: dict[str, str] | None = None):
     # one thread per worker whatever the node layout: thread counts change float summation order
-    return start_cli("train", "--quiet", "--epochs", EPOCHS, *args, env={"OMP_NUM_THREADS": "1"})
+    return start_cli("train", "--quiet", "--epochs", EPOCHS, *args, env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def _metrics(path: Path) -> dict:
@@ -48,6 +48,7 @@ def _close_to_single(single, checkpoint_dir: Path, metrics: dict) -> None:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ddp2")
+    (directory / "tmp").mkdir()  # the job's temporary directory: a fresh one, to see what the job leaves there
     out = _finish(
         _train(
             "--strategy",
@@ -58,6 +59,7 @@ def two_processes(tmp_path_factory):
             str(directory / "ckpt"),
             "--metrics-out",
             str(directory / "m.json"),
+            env={"TMPDIR": str(directory / "tmp")},
         )
     )
     return directory, out
@@ -69,6 +71,16 @@ def test_ddp_two_processes_match_single(single, two_processes):
     assert metrics["strategy"] == "ddp" and metrics["world_size"] == 2 and metrics["devices"] == ["cpu", "cpu"]
     assert out.count("Done:") == 1  # only rank 0 prints
     _close_to_single(single, directory / "ckpt", metrics)
+
+
+def test_a_clean_ddp_run_leaves_nothing_of_its_own_in_the_temporary_directory(two_processes):
+    """The reported case: every rank left an empty paratrain-stacks-<pid>.txt in /tmp (173 after an hour of runs),
+    and torchrun its torchelastic_* log directory. torch's compile cache, which torch keeps across runs on
+    purpose (torchinductor_<user>, made when an optimizer is created: torch.optim imports torch._dynamo), is
+    torch's, not the job's."""
+    directory, _ = two_processes
+    left = sorted(p.name for p in (directory / "tmp").iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], left
 
 
 def test_ddp_three_processes_resume_on_every_rank(single, tmp_path):

@@ -6,8 +6,13 @@ Every file paratrain writes (checkpoints, metrics, logs, reports) goes through :
   once complete, so a reader (or a crash) never sees half a file;
 - a device or a pipe (``/dev/null``, ``/dev/stdout``): written through; it is never replaced by a file;
 - a symbolic link: followed, on purpose: the file it points to is written (atomically, as above) and the link
-  stays a link;
+  stays a link; unless ``follow_links=False`` (a file in a directory others write, where a link may have been
+  planted): then the link is replaced by the file, and what it pointed to is left alone;
 - a directory: an error.
+
+The files a process needs only while it runs (faulthandler's stack file, the launcher's log) are created with an
+unpredictable name, exclusively (never through a link), in :func:`scratch_directory`: the private directory
+(mode 0700) a paratrain launcher made for the job, else the system's temporary directory.
 
 :func:`check_output` says before any work starts whether a path can be written that way, and
 :func:`remove_stale_temporaries` clears the temporary files of writers that died (SIGKILL mid-write)::
@@ -25,6 +30,7 @@ import re
 import secrets
 import socket
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -32,13 +38,17 @@ from typing import IO, Any
 from paratrain.errors import ConfigError
 
 __all__ = [
+    "JOB_DIR_ENV",
     "atomic_writer",
     "check_input_dir",
     "check_output",
     "is_stdout",
     "remove_stale_temporaries",
     "resolve_output",
+    "scratch_directory",
 ]
+
+JOB_DIR_ENV = "PARATRAIN_JOB_DIR"  # the job's private directory, which paratrain's launcher makes and removes
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 # .<name>.<host>.<pid>.<random>.tmp: a leading dot and a .tmp suffix, so no listing takes it for the real file
@@ -144,19 +154,48 @@ def check_input_dir(path: str | Path, what: str) -> Path:
     return directory
 
 
+def scratch_directory() -> Path:
+    """Where this process creates the files it needs only while it runs.
+
+        fd, name = tempfile.mkstemp(prefix="paratrain-stacks-", dir=scratch_directory())
+
+    The job's directory that paratrain's launcher made (``PARATRAIN_JOB_DIR``), when it is a directory of this
+    user's that no one else may write; else the system's temporary directory (``TMPDIR``, ``/tmp``), which others
+    share: create files there with :func:`tempfile.mkstemp` (an unpredictable name, created exclusively, mode 0600).
+    """
+    named = os.environ.get(JOB_DIR_ENV)
+    if named and _is_private_directory(Path(named)):
+        return Path(named)
+    return Path(tempfile.gettempdir())
+
+
+def _is_private_directory(path: Path) -> bool:
+    """A directory itself (not a link to one), this user's, that neither its group nor others may write."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    owner = os.geteuid() if hasattr(os, "geteuid") else info.st_uid
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == owner and not info.st_mode & 0o022
+
+
 @contextlib.contextmanager
-def atomic_writer(path: str | Path, mode: str = "wb", *, durable: bool = False) -> Iterator[IO[Any]]:
+def atomic_writer(
+    path: str | Path, mode: str = "wb", *, durable: bool = False, follow_links: bool = True
+) -> Iterator[IO[Any]]:
     """A file object whose contents replace ``path`` only once the block completes (see the module docstring).
 
     ``durable``: fsync the data and the directory entry, so the new file survives a power cut (checkpoints).
+    ``follow_links``: False replaces a symbolic link at ``path`` by the file instead of writing what it points to.
     On an exception the temporary file is removed and ``path`` is left as it was.
     """
-    if _is_special(Path(path)):  # followed through every link (/dev/stdout to a pipe, say): write into it
+    planted = not follow_links and Path(path).is_symlink()
+    if not planted and _is_special(Path(path)):  # followed through every link (/dev/stdout to a pipe): write into it
         with open(path, mode) as stream:
             yield stream
         return
-    target = resolve_output(path)
-    if target.is_dir():
+    target = Path(path) if planted else resolve_output(path)
+    if not planted and target.is_dir():  # a planted link to a directory is replaced like any other
         raise IsADirectoryError(21, "Is a directory", str(target))
     directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)

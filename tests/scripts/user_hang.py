@@ -7,6 +7,7 @@
   sleep     sleeps 120 s in the user's code
   stop      stops its own process (SIGSTOP)
   loop      loops in Python for ever
+  native    loops for ever in native code that holds the GIL: it cannot answer, only faulthandler's signal shows it
   kill      ends its process at once (exit code 3)
   only0     (rank 0 does it) an all-reduce of the user's own that only rank 0 makes
   shapes    both ranks all-reduce a tensor of the user's, of different sizes
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
 import time
@@ -30,7 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--api", choices=["ddp", "parallel"], default="ddp")
     parser.add_argument(
-        "--fault", choices=["sleep", "stop", "loop", "kill", "only0", "shapes", "slow"], default="sleep"
+        "--fault", choices=["sleep", "stop", "loop", "native", "kill", "only0", "shapes", "slow"], default="sleep"
     )
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--steps", type=int, default=60, help="steps of 50 ms each, the fault at the second")
@@ -70,6 +72,8 @@ def fault(kind: str, rank: int) -> None:
     elif kind == "loop":
         while True:  # rank 1 loops for ever
             pass
+    elif kind == "native":
+        sum(itertools.count())  # rank 1 adds for ever in C, never letting another thread run
     elif kind == "kill":
         os._exit(3)  # rank 1 is gone
 

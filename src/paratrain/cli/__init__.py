@@ -90,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, CollectiveError):
             # a collective that will never complete: the interpreter's teardown would wait for it (gloo waits
             # its own timeout), keeping the whole job alive; leave now, so the launcher stops the others
+            from paratrain.diagnostics.stacks import drop_unused_dump
+
+            drop_unused_dump()  # os._exit skips atexit, where the stack file would go
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT_RUNTIME)

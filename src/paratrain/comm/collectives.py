@@ -49,7 +49,7 @@ from paratrain.comm.process_groups import default_store, group_sequence, keep_fo
 from paratrain.diagnostics.board import Board
 from paratrain.diagnostics.hang_report import Answerer, HangReport, gather
 from paratrain.diagnostics.mismatch import RING, WINDOW, call_site, divergence, first_drift
-from paratrain.diagnostics.stacks import arm_signal_dump
+from paratrain.diagnostics.stacks import arm_signal_dump, drop_unused_dump
 from paratrain.errors import CollectiveError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor"]
@@ -246,6 +246,7 @@ class CollectiveMonitor:
             print(report.render(), file=sys.stderr, flush=True)
         print(f"paratrain: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        drop_unused_dump()  # os._exit skips atexit, where the stack file would go
         os._exit(EXIT_COLLECTIVE_FAILED)
 
     def _report(self, seq: int, what: str, seqs: range | None = None) -> HangReport | None:

@@ -54,6 +54,7 @@ class RankReport:
     user_line: str | None = None  # file:line of its main thread's innermost frame outside paratrain and torch
     stacks: list[dict[str, Any]] | None = None  # every thread, innermost frame last; None when unknown
     stacks_text: str | None = None  # the stacks as faulthandler wrote them (a rank that could not answer)
+    stacks_file: str | None = None  # the file faulthandler wrote them to, on the rank's machine (kept after it)
     collectives: list[dict[str, Any]] = field(default_factory=list)  # its latest, from torch's Flight Recorder
     history: list[list[Any]] = field(default_factory=list)  # paratrain's latest: [its number, the group's, what]
     note: str = ""
@@ -104,6 +105,8 @@ class HangReport:
                 lines.append(f"    at {r.user_line}")
             if r.note:
                 lines.append(f"    {r.note}")
+            if r.stacks_file:
+                lines.append(f"    its stacks, as faulthandler wrote them: {r.stacks_file}")
         if self.path:
             lines.append(f"  every thread's stack of every rank: {self.path}")
         return "\n".join(lines)
@@ -255,7 +258,7 @@ def _unanswered(rank: int, before: dict[str, Any] | None, after: dict[str, Any] 
     dump = after.get("dump")
     text = signal_dump(pid, dump) if dump else None
     if text:
-        report.stacks_text = text
+        report.stacks_text, report.stacks_file = text, dump
         report.note = "stacks taken through faulthandler's signal (it could not answer from Python)"
         frame = user_frame(_faulthandler_frames(text))
         if frame is not None:

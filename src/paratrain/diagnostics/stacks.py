@@ -2,6 +2,8 @@
 
     python_stacks()                      # this process: [{"thread": "MainThread", "frames": [...]}, ...]
     arm_signal_dump()                    # SIGUSR1 then writes every thread's stack to a file (faulthandler)
+    is_stack_file("paratrain-stacks-41-k2x9.txt")   # True: a name arm_signal_dump gives
+    drop_unused_dump()                   # before os._exit, which skips atexit: the file goes while it is empty
     process_state(pid)                   # "running", "sleeping", "stopped", ... or None when it is gone
     signal_dump(pid, path)               # ask an armed process on this machine for its stacks, read them back
 
@@ -10,10 +12,16 @@ the main thread sleeps, waits in a collective or loops in Python. A rank whose m
 code cannot answer from Python; faulthandler's signal handler still can, so ranks arm it and a rank on the same
 machine asks through the signal. A stopped process (SIGSTOP) answers nothing until it is continued: its state
 says so.
+
+The stack file is created with an unpredictable name, exclusively and with mode 0600 (a link planted at any name
+is never followed) in :func:`paratrain.files.scratch_directory`. It is removed when the process exits (Python's
+exit, and paratrain's own ``os._exit`` calls, not a kill) while it is still empty; once it holds stacks (a hang
+report took them through the signal, and names the file) it stays.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import os
@@ -26,7 +34,22 @@ import traceback
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["PACKAGE_DIR", "TORCH_DIR", "arm_signal_dump", "process_state", "python_stacks", "signal_dump", "user_frame"]
+from paratrain.files import scratch_directory
+
+__all__ = [
+    "PACKAGE_DIR",
+    "STACKS_PREFIX",
+    "TORCH_DIR",
+    "arm_signal_dump",
+    "drop_unused_dump",
+    "is_stack_file",
+    "process_state",
+    "python_stacks",
+    "signal_dump",
+    "user_frame",
+]
+
+STACKS_PREFIX = "paratrain-stacks-"  # then the pid, a dash, random characters and .txt
 
 _STATES = {
     "R": "running",
@@ -49,7 +72,7 @@ class _SignalDump:
 
 
 _SIGNAL_DUMP = _SignalDump()
-PACKAGE_DIR = str(Path(__file__).resolve().parent)  # frames inside paratrain are not the user's line
+PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # frames inside paratrain are not the user's line
 TORCH_DIR = str(Path(str(__import__("torch").__file__)).resolve().parent)
 
 
@@ -84,7 +107,8 @@ def arm_signal_dump() -> str | None:
     """Make SIGUSR1 write every thread's stack to a file, once per process; returns the file's path.
 
     Only where SIGUSR1 is not taken (its handler is the default, which would end the process): a user's handler
-    is never replaced. None when it cannot be armed (taken, not the main thread, or no SIGUSR1 here).
+    is never replaced. None when it cannot be armed (taken, not the main thread, or no SIGUSR1 here). The file is
+    new (see the module docstring) and removed at the process's exit unless it holds stacks.
     """
     if _SIGNAL_DUMP.path is not None:
         return str(_SIGNAL_DUMP.path)
@@ -92,14 +116,41 @@ def arm_signal_dump() -> str | None:
         return None
     if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
         return None
-    path = Path(tempfile.gettempdir()) / f"paratrain-stacks-{os.getpid()}.txt"
     try:
-        file: IO[str] = open(path, "w")  # noqa: SIM115  (faulthandler writes to it for the process's lifetime)
+        fd, name = tempfile.mkstemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-", suffix=".txt", dir=scratch_directory())
+    except OSError:
+        return None
+    path = Path(name)
+    file: IO[str] = os.fdopen(fd, "w")  # faulthandler writes to it for the process's lifetime
+    try:
         faulthandler.register(signal.SIGUSR1, file=file, all_threads=True, chain=False)
     except (OSError, RuntimeError, ValueError):
+        file.close()
+        path.unlink(missing_ok=True)
         return None
     _SIGNAL_DUMP.path, _SIGNAL_DUMP.file = path, file
+    atexit.register(drop_unused_dump)
     return str(path)
+
+
+def is_stack_file(name: str) -> bool:
+    """True when ``name`` is one :func:`arm_signal_dump` gives (``paratrain-stacks-PID-RANDOM.txt``)."""
+    pid, _, rest = name.removeprefix(STACKS_PREFIX).partition("-")
+    return name.startswith(STACKS_PREFIX) and pid.isdigit() and rest.endswith(".txt")
+
+
+def drop_unused_dump() -> None:
+    """At exit: the stack file goes unless it holds stacks (someone asked for them, a hang report names it).
+
+    Runs at Python's exit; call it before ``os._exit``, which skips that. The handler stays registered and the
+    file open: SIGUSR1 must not end the process while it exits, and faulthandler keeps writing to the file it
+    holds (unlinked, then)."""
+    path, file = _SIGNAL_DUMP.path, _SIGNAL_DUMP.file
+    if path is None or file is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        if os.fstat(file.fileno()).st_size == 0:
+            path.unlink()
 
 
 def process_state(pid: int) -> str | None:

@@ -21,6 +21,8 @@ import time
 import traceback
 from typing import Any
 
+from paratrain.files import atomic_writer
+
 __all__ = ["EXIT_OUTPUT_CLOSED", "exit_code_of", "output_closed", "record_error", "summary_lines"]
 
 EXIT_OUTPUT_CLOSED = 128 + signal.SIGPIPE.value  # 141: a Unix tool whose output's reader went away
@@ -29,7 +31,9 @@ _NO_RECORD = "To enable traceback see"  # what torchrun's table says for a rank 
 
 
 def record_error(message: str) -> None:
-    """Record ``message`` as this worker's error in torchrun's error file (nothing outside a torchrun worker)."""
+    """Record ``message`` as this worker's error in torchrun's error file (nothing outside a torchrun worker).
+
+    The file is replaced whole, and a symbolic link found at its path is replaced, never followed."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -40,7 +44,7 @@ def record_error(message: str) -> None:
         }
     }
     try:
-        with open(path, "w") as file:
+        with atomic_writer(path, "w", follow_links=False) as file:
             json.dump(data, file)
     except OSError:  # the summary then says less; the error itself was printed by the worker
         pass

@@ -28,8 +28,13 @@ code, instead of torchrun's ``ChildFailedError`` traceback; a job stopped by a s
 128 + the signal's number, quietly, since its workers said where they stopped. A job whose output's reader went
 away (``paratrain train ... | head``: the rank that printed exited 141, the others were stopped) ends quietly
 with 141 too, as one process would. A port node 0 cannot listen on because another program holds it ends with
-``EXIT_PORT_TAKEN`` and no traceback (``launch()`` says which port, and what to pass). The file is removed when the
-job succeeds, or ended as one of these.
+``EXIT_PORT_TAKEN`` and no traceback (``launch()`` says which port, and what to pass).
+
+Everything the job writes for itself goes in one new private directory (``mkdtemp``: an unpredictable name, mode
+0700) in the temporary directory, ``paratrain-launch-XXXXXXXX``: torchrun's log (``torchrun.log``), torchrun's
+``--log-dir`` (``torchrun/``: the workers' error files), and the workers' stack files (they find the directory in
+``PARATRAIN_JOB_DIR``). At the job's end what no line names is removed: everything after a success or a
+signal, the empty stack files after a failure; the directory itself when nothing is left in it.
 """
 
 from __future__ import annotations
@@ -40,15 +45,18 @@ import errno
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from paratrain.diagnostics.stacks import is_stack_file
+from paratrain.files import JOB_DIR_ENV
 from paratrain.launch.config import EXIT_PORT_TAKEN, EXIT_RENDEZVOUS_FAILED
 from paratrain.launch.failures import EXIT_OUTPUT_CLOSED, exit_code_of, output_closed, summary_lines
 
@@ -155,12 +163,46 @@ def _port_taken(exc: BaseException) -> bool:
     return isinstance(exc, _PortTaken) or "EADDRINUSE" in str(exc)
 
 
-def _log_to_file(name: str) -> str:
-    """torch.distributed's log of this process (the agent's) into a new file, not the terminal; its path.
+def _job_directory() -> Path:
+    """A new private directory for the job's own files (see the module docstring), named to its workers."""
+    job = Path(tempfile.mkdtemp(prefix="paratrain-launch-"))  # created exclusively, mode 0700
+    os.environ[JOB_DIR_ENV] = str(job)
+    return job
+
+
+def _with_log_dir(torchrun_args: list[str], job: Path) -> list[str]:
+    """torchrun's arguments with ``--log-dir`` in the job's directory, unless they (or PET_LOG_DIR) choose one.
+
+    torchrun's options come before the script, each as ``--option=value``, as :mod:`paratrain.launch.launcher`
+    writes them; without ``--log-dir`` torchrun makes a ``torchelastic_*`` directory it never removes."""
+    options = next((i for i, arg in enumerate(torchrun_args) if not arg.startswith("-")), len(torchrun_args))
+    chosen = any(arg.split("=", 1)[0] in ("--log-dir", "--log_dir") for arg in torchrun_args[:options])
+    if chosen or os.environ.get("PET_LOG_DIR"):
+        return torchrun_args
+    return [f"--log-dir={job / 'torchrun'}", *torchrun_args]
+
+
+def _tidy(job: Path, *, keep_logs: bool) -> None:
+    """At the job's end: remove what no line named (see the module docstring); the directory if it is empty."""
+    for entry in list(job.iterdir()):
+        with contextlib.suppress(OSError):
+            if is_stack_file(entry.name):
+                if entry.stat().st_size == 0:  # no one asked for its rank's stacks
+                    entry.unlink()
+            elif not keep_logs:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+    with contextlib.suppress(OSError):
+        job.rmdir()  # only when empty
+
+
+def _log_to_file(name: str, path: Path) -> logging.Handler:
+    """torch.distributed's log of this process (the agent's) into the new file ``path``, not the terminal.
 
     A restart of the workers is still said on the terminal, in one line."""
-    fd, path = tempfile.mkstemp(prefix="paratrain-launch-", suffix=".log")
-    os.close(fd)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log = logging.getLogger("torch.distributed")
@@ -174,7 +216,7 @@ def _log_to_file(name: str) -> str:
     restarts.addFilter(lambda record: "will restart worker group" in str(record.msg) and len(record.args or ()) == 4)
     restarts.setFormatter(_RestartFormatter(name))
     agent.addHandler(restarts)
-    return path
+    return handler
 
 
 class _RestartFormatter(logging.Formatter):
@@ -203,41 +245,60 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fresh_store_per_round()
     if options.bind:
         _bound_stores(options.bind)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    # imported before the log is redirected: importing torch's agent sets the levels of its loggers
     from torch.distributed.run import main as torchrun_main
 
-    log_path = _log_to_file(options.name)
-    sys.argv = ["torchrun", *args[split + 1 :]]
+    job = _job_directory()
+    log_path = job / "torchrun.log"
+    handler = _log_to_file(options.name, log_path)
+    sys.argv = ["torchrun", *_with_log_dir(args[split + 1 :], job)]
+    code, named = 0, True  # an error _run does not expect keeps the log, and names it
+    try:
+        code, named = _run(torchrun_main, options.name, log_path)
+    except BaseException:
+        print(f"{options.name}: torchrun's log: {log_path}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        logging.getLogger("torch.distributed").removeHandler(handler)
+        handler.close()
+        _tidy(job, keep_logs=named)
+    if code:
+        sys.exit(code)
+
+
+def _run(torchrun_main: Callable[[], None], name: str, log_path: Path) -> tuple[int, bool]:
+    """Run torchrun (its command line in ``sys.argv``); the exit code, and whether a line named ``log_path``."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
         torchrun_main()
     except _rendezvous_failures() as exc:
         if _port_taken(exc):  # another program listens on node 0's port: launch() names it, in one line
-            _remove(log_path)
-            sys.exit(EXIT_PORT_TAKEN)
+            return EXIT_PORT_TAKEN, False
         # the nodes never met: launch() says where and for how long they waited; torch's own trace is in the log
         _append(log_path, traceback.format_exc())
         _say(
             f"paratrain.launch.torchrun: the rendezvous failed: {type(exc).__name__}: {exc} "
             f"(torchrun's log: {log_path})"
         )
-        sys.exit(EXIT_RENDEZVOUS_FAILED)
+        return EXIT_RENDEZVOUS_FAILED, True
     except ChildFailedError as exc:
         first, root = exc.get_first_failure()
         if output_closed(exc.failures, first):  # `... | head`: the reader has what it wanted; nothing failed
-            _remove(log_path)
-            sys.exit(EXIT_OUTPUT_CLOSED)
+            return EXIT_OUTPUT_CLOSED, False
         _append(log_path, traceback.format_exc())
         for line in summary_lines(exc.failures, first):
-            _say(f"{options.name}: {line}")
-        _say(f"{options.name}: torchrun's full report: {log_path}")
-        sys.exit(exit_code_of(root.exitcode) or 1)
+            _say(f"{name}: {line}")
+        _say(f"{name}: torchrun's full report: {log_path}")
+        return exit_code_of(root.exitcode) or 1, True
     except SignalException as exc:
         # torchrun stopped its workers on a signal (the launcher forwarded Ctrl-C): they said where they stopped
-        _append(log_path, traceback.format_exc())
         sigval = exc.sigval
-        sys.exit(128 + (sigval.value if isinstance(sigval, signal.Signals) else signal.SIGINT.value))
-    _remove(log_path)  # the job succeeded: nothing to look for
+        return 128 + (sigval.value if isinstance(sigval, signal.Signals) else signal.SIGINT.value), False
+    except SystemExit as exc:  # torchrun's own usage errors, which it printed
+        return (exc.code if isinstance(exc.code, int) else int(exc.code is not None)), False
+    return 0, False  # the job succeeded: nothing to look for
 
 
 def _say(line: str) -> None:
@@ -250,12 +311,7 @@ def _say(line: str) -> None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-def _append(path: str, text: str) -> None:
+def _append(path: Path, text: str) -> None:
     with contextlib.suppress(OSError), open(path, "a") as file:
         file.write(text)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from paratrain.checkpoint.file import latest_checkpoint
 from paratrain.comm.process_groups import default_store
+from paratrain.diagnostics.stacks import drop_unused_dump
 from paratrain.parallel import Parallel
 
 __all__ = ["AGREE_WITHIN_S", "StopRequest", "interrupted_message"]
@@ -87,6 +88,7 @@ class StopRequest:
             return
         # the second Ctrl-C: leave now. Under ddp a collective may be in flight, which unwinding would wait for
         if self._distributed:
+            drop_unused_dump()  # os._exit skips atexit, where the stack file would go
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(_EXIT_INTERRUPTED)

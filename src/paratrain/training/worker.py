@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from paratrain.diagnostics.stacks import drop_unused_dump
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
 from paratrain.launch.config import LaunchConfig
@@ -66,6 +67,7 @@ def _failed(exc: ParatrainError, code: int) -> int:
 
 
 def _leave(code: int) -> NoReturn:
+    drop_unused_dump()  # os._exit skips atexit, where the stack file would go
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
