@@ -21,7 +21,7 @@ from paratrain.checkpoint.sharded import is_sharded_checkpoint
 from paratrain.comm.process_groups import group_sequence
 from paratrain.errors import CollectiveError, ConfigError
 from paratrain.sharded.optimizer import ShardedOptimizer
-from paratrain.sharded.reducer import ShardedReducer
+from paratrain.sharded.reducer import ReduceScatter
 from paratrain.sharded.zero import ZeroDataParallel
 
 GLOBAL_BATCH = 24
@@ -239,10 +239,11 @@ def optimizer_surface(rank: int, world: int) -> dict[str, Any]:
         wrapper = net
         assert isinstance(wrapper, ZeroDataParallel)
         reducer = wrapper.reducer
-        assert isinstance(reducer, ShardedReducer)
+        scatter = reducer.collective
+        assert isinstance(scatter, ReduceScatter)
         found["no_whole_gradient"] = all(p.grad is None for p in par.unwrap(net).parameters())
-        found["no_bucket_buffer"] = all(b.numel() == 0 for b in reducer.buffers)
-        found["gradient_parts"] = sum(g.numel() for g in reducer.grads)
+        found["no_bucket_buffer"] = all(b.numel() == 0 for b in scatter.buffers)
+        found["gradient_parts"] = sum(g.numel() for g in scatter.grads)
         found["bucket_elements"] = sum(b.numel for b in reducer.buckets)
         found["buckets"] = len(reducer.buckets)
         try:
@@ -258,7 +259,7 @@ def optimizer_surface(rank: int, world: int) -> dict[str, Any]:
         opt = par.prepare(torch.optim.SGD(par.unwrap(net).parameters(), lr=0.1, momentum=0.9))
         x, y = batches(1)[0]
         par.backward(F.cross_entropy(net(x), y))
-        buffers = {b.untyped_storage().data_ptr() for b in net.reducer.buffers}
+        buffers = {b.untyped_storage().data_ptr() for b in net.reducer.collective.buffers}
         found["zero1_grads_are_buckets"] = all(
             p.grad.untyped_storage().data_ptr() in buffers for p in par.unwrap(net).parameters()
         )
