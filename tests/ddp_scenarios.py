@@ -92,7 +92,7 @@ def gradient_as_bucket_view(rank: int, world: int) -> dict[str, Any]:
         sharded_loss(ddp, x, y, rank, world).backward()
         opt.step()
     _train_whole(reference, 4)
-    buffer = ddp.reducer.buffers[0]
+    buffer = ddp.reducer.collective.buffers[0]
     p = next(iter(ddp.reducer.params))
     in_bucket = p.grad is not None and p.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     return {"vs_single": max_diff(inner, reference), "grad_in_bucket": in_bucket}

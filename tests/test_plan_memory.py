@@ -56,8 +56,8 @@ def test_the_counts_are_what_the_strategies_allocate(group, strategy):
     x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
     F.cross_entropy(wrapped(x), y).backward()
     opt.step()
-    reducer = wrapped.reducer
-    grads = [p.grad for p in model.parameters()] + list(reducer.buffers) + list(getattr(reducer, "grads", []))
+    collective = wrapped.reducer.collective
+    grads = [p.grad for p in model.parameters()] + list(collective.buffers) + list(getattr(collective, "grads", []))
     held = {
         "parameters": _held(model.parameters()),
         "gradients": _held(grads),

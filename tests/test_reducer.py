@@ -25,7 +25,6 @@ def model_and_reducer(group):
         monitor=monitor,
         bucket_cap_bytes=64,
         find_unused=False,
-        grad_as_view=False,
     )
     hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: reducer.on_grad(i)) for i, p in enumerate(params)]
     launched: list[int] = []
@@ -49,7 +48,7 @@ def test_a_synchronised_backward_launches_every_bucket_once_in_index_order(model
     _backward(model)
     assert launched == list(range(len(reducer.buckets)))
     assert reducer.state == "idle"  # the end-of-backward callback ran
-    for p, view in zip(model.parameters(), reducer.views, strict=True):
+    for p, view in zip(model.parameters(), reducer.collective.views, strict=True):
         assert torch.equal(p.grad, view)  # at world size 1 the average is the gradient itself
 
 

@@ -18,6 +18,7 @@ import paratrain.checkpoint.sharded as shard_checkpoint
 from conftest import run_main
 from paratrain.checkpoint.file import latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints
 from paratrain.checkpoint.sharded import (
+    Alias,
     LocalSlices,
     Owned,
     StoredTensor,
@@ -67,11 +68,14 @@ def _pieces(world: int, rank: int) -> list[tuple[str, int, int]]:
 def _rank_state(whole: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
     """What rank ``rank`` of ``world`` hands to save_sharded: its slices, its owned values, the plain rest."""
     mine = _pieces(world, rank)
+    sliced = {id(whole["model"][name]): name for name in SHAPES}
     model: dict[str, Any] = {}
     for name, tensor in whole["model"].items():
         if name in SHAPES:
             slices = [(s, tensor.reshape(-1)[s : s + n]) for p, s, n in mine if p == name]
             model[name] = LocalSlices(tuple(tensor.shape), tensor.dtype, slices)
+        elif id(tensor) in sliced:  # a tied weight: the tensor of another key
+            model[name] = Alias(sliced[id(tensor)])
         else:
             model[name] = tensor
     state: dict[int, dict[str, Any]] = {}
@@ -166,6 +170,29 @@ def test_a_rank_reads_only_the_slices_its_pieces_overlap(tmp_path, written_by, r
             if p == name and s < start + length and start < s + n
         )
         assert len(reader.verified) == needed < sum(len(v) for v in written.values()) + (read_by == 1)
+
+
+@pytest.mark.parametrize("written_by", [1, 3])
+def test_a_tied_weight_is_stored_once_and_both_keys_read_the_same_tensor(tmp_path, written_by):
+    whole = _whole()
+    whole["model"]["head"] = whole["model"]["w"]  # another module's name for the same weight
+    path = _save_as(written_by, tmp_path, "ckpt", whole)
+    index = load_checkpoint(path / "index.pt")
+    entries = {tuple(e["path"]): e for e in index["tensors"]}
+    assert ("model", "head") not in entries and entries[("model", "w")]["aliases"] == [("model", "head")]
+    assert index["layout_version"] == 2  # readers before aliases refuse it, naming the upgrade
+    stored = open_sharded(path)
+    assert stored["model"]["head"] is stored["model"]["w"]
+    read = materialize(stored)
+    assert _equal(read, whole) and read["model"]["head"] is read["model"]["w"]  # tied again, as torch saves it
+
+
+def test_a_checkpoint_without_aliases_keeps_the_first_layout_and_an_alias_must_name_slices(tmp_path):
+    assert load_checkpoint(_save_as(2, tmp_path, "ckpt", _whole()) / "index.pt")["layout_version"] == 1
+    broken = _rank_state(_whole(), 1, 0)
+    broken["model"]["head"] = Alias("running_mean")  # a plain tensor, not a sliced one
+    with pytest.raises(ConfigError, match="model/head is an alias of 'running_mean', which is no sliced tensor"):
+        save_sharded(broken, tmp_path, "other", rank=0, world_size=1, barrier=lambda: None)
 
 
 def test_a_changed_slice_or_a_cut_file_is_refused(tmp_path):

@@ -196,10 +196,10 @@ def test_zero2_buckets_without_a_buffer_hold_an_empty_one_of_their_own_dtype_and
     F.cross_entropy(wrappers[0](x.double()), y).backward()  # buffers taken and given back
     seen: set[int] = set()
     for wrapped in wrappers:
-        reducer = wrapped.reducer
-        for bucket, buffer in zip(reducer.buckets, reducer.buffers, strict=True):
+        collective = wrapped.reducer.collective
+        for bucket, buffer in zip(collective.buckets, collective.buffers, strict=True):
             assert buffer.numel() == 0
             assert (buffer.dtype, buffer.device) == (bucket.dtype, bucket.device) == (torch.float64, wrapped.device)
-            assert all(reducer.views[i] is buffer for i in bucket.indices)
+            assert all(collective.views[i] is buffer for i in bucket.indices)
             assert id(buffer) not in seen  # no tensor shared with another bucket or another wrapper
             seen.add(id(buffer))

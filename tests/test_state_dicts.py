@@ -1,4 +1,4 @@
-"""Checking a saved state_dict against a model before loading it."""
+"""Checking a saved state_dict against a model before loading it; which of its keys name which parameter."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain.checkpoint.state_dicts import check_compatible, strip_module_prefix
+from paratrain.checkpoint.state_dicts import check_compatible, parameter_keys, strip_module_prefix
 from paratrain.errors import CheckpointError
 
 
@@ -60,3 +60,34 @@ def test_strip_module_prefix_is_all_or_nothing() -> None:
 
 
 # --- writable directory -------------------------------------------------------------------------------------------
+
+
+class _Tied(nn.Module):
+    """A language model's shape: the output head shares the embedding's weight; a block used twice; a frozen bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.block = nn.Linear(4, 4)
+        self.again = self.block  # the same module under a second name: both its parameters tied
+        self.head = nn.Linear(4, 10)
+        self.head.weight = self.embed.weight
+        self.head.bias.requires_grad_(False)
+        self.register_buffer("scale", torch.ones(4))
+
+
+def test_parameter_keys_name_every_key_of_a_parameter_and_resolve_tied_ones_to_the_first() -> None:
+    model = _Tied()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    keys = parameter_keys(model, trained)
+    assert {key: first for key, (first, _) in keys.items()} == {
+        "embed.weight": "embed.weight",
+        "block.weight": "block.weight",
+        "block.bias": "block.bias",
+        "again.weight": "block.weight",
+        "again.bias": "block.bias",
+        "head.weight": "embed.weight",
+    }
+    assert keys["head.weight"][1] is model.embed.weight and keys["again.bias"][1] is model.block.bias
+    assert set(keys) <= set(model.state_dict())  # the keys are the state dict's: buffers and the frozen bias left out
+    assert parameter_keys(model, []) == {}

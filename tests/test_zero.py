@@ -105,6 +105,14 @@ def test_a_zero2_checkpoint_continues_under_zero1_ddp_single_and_zero2(two):
         assert r["single_rel"] < 1e-5  # one device sums the batch in another order
 
 
+def test_a_tied_weight_is_one_checkpoint_entry_under_both_names_and_resumes_exactly(two):
+    for rank in two:
+        r = rank["tied_checkpoint"]
+        assert r["model_entries"] == ["body.bias", "body.weight", "embed.weight", "head.bias"]  # no head.weight
+        assert r["aliases"] == {"embed.weight": ["head.weight"], "body.weight": [], "body.bias": [], "head.bias": []}
+        assert r["zero2_bitwise"] and r["ddp_bitwise"]  # the weight still tied after loading, the steps as before
+
+
 def test_a_ddp_checkpoint_continues_under_zero1_and_zero2(two):
     for rank in two:
         r = rank["checkpoints"]

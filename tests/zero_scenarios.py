@@ -17,11 +17,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
+from paratrain.checkpoint.file import load_checkpoint
 from paratrain.checkpoint.sharded import is_sharded_checkpoint
 from paratrain.comm.process_groups import group_sequence
 from paratrain.errors import CollectiveError, ConfigError
 from paratrain.sharded.optimizer import ShardedOptimizer
-from paratrain.sharded.reducer import ShardedReducer
+from paratrain.sharded.reducer import ReduceScatter
 from paratrain.sharded.zero import ZeroDataParallel
 
 GLOBAL_BATCH = 24
@@ -239,10 +240,11 @@ def optimizer_surface(rank: int, world: int) -> dict[str, Any]:
         wrapper = net
         assert isinstance(wrapper, ZeroDataParallel)
         reducer = wrapper.reducer
-        assert isinstance(reducer, ShardedReducer)
+        scatter = reducer.collective
+        assert isinstance(scatter, ReduceScatter)
         found["no_whole_gradient"] = all(p.grad is None for p in par.unwrap(net).parameters())
-        found["no_bucket_buffer"] = all(b.numel() == 0 for b in reducer.buffers)
-        found["gradient_parts"] = sum(g.numel() for g in reducer.grads)
+        found["no_bucket_buffer"] = all(b.numel() == 0 for b in scatter.buffers)
+        found["gradient_parts"] = sum(g.numel() for g in scatter.grads)
         found["bucket_elements"] = sum(b.numel for b in reducer.buckets)
         found["buckets"] = len(reducer.buckets)
         try:
@@ -258,7 +260,7 @@ def optimizer_surface(rank: int, world: int) -> dict[str, Any]:
         opt = par.prepare(torch.optim.SGD(par.unwrap(net).parameters(), lr=0.1, momentum=0.9))
         x, y = batches(1)[0]
         par.backward(F.cross_entropy(net(x), y))
-        buffers = {b.untyped_storage().data_ptr() for b in net.reducer.buffers}
+        buffers = {b.untyped_storage().data_ptr() for b in net.reducer.collective.buffers}
         found["zero1_grads_are_buckets"] = all(
             p.grad.untyped_storage().data_ptr() in buffers for p in par.unwrap(net).parameters()
         )
@@ -350,6 +352,59 @@ def checkpoints(rank: int, world: int, directory: str) -> dict[str, Any]:
     return found
 
 
+class TiedModel(nn.Module):
+    """A language model's shape: the output head shares the embedding's weight (one parameter, two names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 32)
+        self.body = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.embed(tokens))))
+
+
+def tied_checkpoint(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """A model with tied weights saved under zero2 and resumed under zero2 and ddp: the tied weight is one entry of
+    the checkpoint under both its names, and the resumed runs end where the uninterrupted one does."""
+    found: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, 64, (GLOBAL_BATCH,), generator=g), torch.randint(0, 64, (GLOBAL_BATCH,), generator=g))]
+    data *= 4
+    path = Path(directory) / "tied" / "epoch-0000-step-000002.pt"
+
+    def run(strategy: str, steps: range, load: bool, save: bool) -> torch.Tensor:
+        with paratrain.Parallel(strategy, "cpu") as par:
+            net = TiedModel()
+            net, opt = par.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+            if load:
+                rest = par.load(path, into={"optimizer": opt})
+                par.unwrap(net).load_state_dict(rest["model"])
+            for i, (x, y) in enumerate(par.prepare(data)):
+                if i in steps:
+                    par.backward(F.cross_entropy(net(x), y))
+                    opt.step()
+                    opt.zero_grad()
+            if save:
+                par.save({"model": net, "optimizer": opt, "step": 2}, path)
+            tied = par.unwrap(net).head.weight is par.unwrap(net).embed.weight
+            return torch.cat([flat_params(par, net), torch.tensor([float(tied)])])
+
+    run("zero2", range(2), load=False, save=True)
+    index = load_checkpoint(path.with_suffix("") / "index.pt")
+    found["model_entries"] = sorted(e["path"][1] for e in index["tensors"] if e["path"][0] == "model")
+    found["aliases"] = {
+        e["path"][1]: [a[1] for a in e.get("aliases", [])] for e in index["tensors"] if e["path"][0] == "model"
+    }
+    uninterrupted = run("zero2", range(4), load=False, save=False)
+    for strategy in ("zero2", "ddp"):
+        found[f"{strategy}_bitwise"] = torch.equal(run(strategy, range(2, 4), load=True, save=False), uninterrupted)
+    return found
+
+
 def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any] | str:
     """The last rank never steps: the others wait in the all-gather of updated weights, named, within the timeout."""
     with paratrain.Parallel("zero2", "cpu", timeout=2) as par:
@@ -376,6 +431,7 @@ def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
         "accumulation": accumulation(rank, world),
         "gradients_and_overflow": gradients_and_overflow(rank, world),
         "checkpoints": checkpoints(rank, world, directory),
+        "tied_checkpoint": tied_checkpoint(rank, world, directory),
     }
 
 

@@ -3,18 +3,20 @@
 A sharded checkpoint is a directory named like a checkpoint file without ``.pt``::
 
     epoch-0001-step-000100/
-        index.pt          every tensor's path in the state, its whole shape and dtype, and where each of its
-                          slices lies (file, range, sha256); the plain values; written last, by rank 0, through
-                          save_checkpoint (atomic, with its own digest)
+        index.pt          every tensor's path in the state (and its aliases), its whole shape and dtype, and where
+                          each of its slices lies (file, range, sha256); the plain values; written last, by rank
+                          0, through save_checkpoint (atomic, with its own digest)
         shard-00000.pt    the slices rank 0 wrote, one flat tensor each; shard-00001.pt rank 1's, ...
 
 The layout is that of the state a single process would save (``{"model": model.state_dict(), "optimizer":
 optimizer.state_dict(), ...}``, tensors whole and named as torch names them): a slice is a range of a tensor's
 flattened elements, so nothing in it depends on the world size, the strategy or the buckets that wrote it. A
-value is marked for this layout by what holds it: :class:`LocalSlices` (this rank's ranges of a tensor) and
-:class:`Owned` (a value only this rank has); everything else is rank 0's. Reading gives :class:`StoredTensor`
-leaves that read a range (only the slices that overlap it, memory-mapped, each checked against its digest) or
-the whole tensor; :func:`materialize` turns a state into plain tensors.
+value is marked for this layout by what holds it: :class:`LocalSlices` (this rank's ranges of a tensor),
+:class:`Owned` (a value only this rank has) and :class:`Alias` (another key of the same dict: a tied weight,
+stored once); everything else is rank 0's. Reading gives :class:`StoredTensor` leaves that read a range (only the
+slices that overlap it, memory-mapped, each checked against its digest) or the whole tensor, one object under a
+tensor's key and every alias of it; :func:`materialize` turns a state into plain tensors (a tied weight's keys
+then hold one tensor, as in a state dict torch saves).
 
 Writing goes to a hidden ``.NAME.partial`` directory, renamed into place once the index is written, so a crash
 mid-save leaves the previous checkpoint as it was, and a directory that is there is complete::
@@ -42,6 +44,7 @@ from paratrain.files import atomic_writer
 
 __all__ = [
     "INDEX",
+    "Alias",
     "LocalSlices",
     "Owned",
     "StoredTensor",
@@ -56,7 +59,8 @@ __all__ = [
 
 INDEX = "index.pt"
 LAYOUT = "paratrain-sharded"
-LAYOUT_VERSION = 1
+# 2: a tensor may have aliases (tied weights); a checkpoint without any is written as 1, which older readers read
+LAYOUT_VERSION = 2
 _SLOT = "<paratrain: a tensor stored in slices>"  # where a sliced tensor sits in the index's plain state
 
 Path_ = tuple[Any, ...]  # a value's place in the state: the keys from the top
@@ -79,9 +83,19 @@ class Owned:
     value: Any
 
 
+@dataclass
+class Alias:
+    """The tensor of another key of the same dict, whose value is :class:`LocalSlices`: a weight shared by two
+    modules (``{"embed.weight": LocalSlices(...), "head.weight": Alias("embed.weight")}``), stored once; reading
+    gives both keys the same tensor."""
+
+    key: Any
+
+
 def has_shards(state: Any) -> bool:
-    """Whether ``state`` holds :class:`LocalSlices` or :class:`Owned` values (it then needs :func:`save_sharded`)."""
-    if isinstance(state, (LocalSlices, Owned)):
+    """Whether ``state`` holds :class:`LocalSlices`, :class:`Owned` or :class:`Alias` values (it then needs
+    :func:`save_sharded`)."""
+    if isinstance(state, (LocalSlices, Owned, Alias)):
         return True
     if isinstance(state, Mapping):
         return any(has_shards(v) for v in state.values())
@@ -90,23 +104,40 @@ def has_shards(state: Any) -> bool:
     return False
 
 
-def _split(state: Any, path: Path_, sliced: list[tuple[Path_, LocalSlices]], owned: list[tuple[Path_, Any]]) -> Any:
+@dataclass
+class _Parts:
+    """What :func:`_split` takes out of a state: the sliced tensors, the owned values, the aliases, by path."""
+
+    sliced: list[tuple[Path_, LocalSlices]] = field(default_factory=list)
+    owned: list[tuple[Path_, Any]] = field(default_factory=list)
+    aliases: list[tuple[Path_, Path_]] = field(default_factory=list)  # (the alias, the tensor it names)
+
+
+def _split(state: Any, path: Path_, parts: _Parts) -> Any:
     """``state`` without its sharded values (collected with their paths); sliced tensors leave a slot behind."""
     if isinstance(state, Mapping):
         plain: dict[Any, Any] = OrderedDict() if isinstance(state, OrderedDict) else {}
         for key, value in state.items():
             if isinstance(value, LocalSlices):
-                sliced.append(((*path, key), value))
+                parts.sliced.append(((*path, key), value))
                 plain[key] = _SLOT
             elif isinstance(value, Owned):
-                owned.append(((*path, key), value.value))
+                parts.owned.append(((*path, key), value.value))
+            elif isinstance(value, Alias):
+                if not isinstance(state.get(value.key), LocalSlices):
+                    raise ConfigError(
+                        f"{_name((*path, key))} is an alias of {value.key!r}, which is no sliced tensor of the same "
+                        f"dict: an Alias names a key whose value is LocalSlices"
+                    )
+                parts.aliases.append(((*path, key), (*path, value.key)))
+                plain[key] = _SLOT
             else:
-                plain[key] = _split(value, (*path, key), sliced, owned)
+                plain[key] = _split(value, (*path, key), parts)
         return plain
     if isinstance(state, (list, tuple)):
-        if any(isinstance(v, (LocalSlices, Owned)) for v in state):
+        if any(isinstance(v, (LocalSlices, Owned, Alias)) for v in state):
             raise ConfigError(f"sharded values must sit in dicts, not directly in a list; found one at {path}")
-        return type(state)(_split(v, (*path, i), sliced, owned) for i, v in enumerate(state))
+        return type(state)(_split(v, (*path, i), parts) for i, v in enumerate(state))
     return state
 
 
@@ -138,12 +169,11 @@ def save_sharded(
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
         partial.mkdir(parents=True)
     barrier()
-    sliced: list[tuple[Path_, LocalSlices]] = []
-    owned: list[tuple[Path_, Any]] = []
-    plain = _split(state, (), sliced, owned)
+    parts = _Parts()
+    plain = _split(state, (), parts)
     data: dict[int, torch.Tensor] = {}
     records = []
-    for path, value in sliced:
+    for path, value in parts.sliced:
         for start, values in value.slices:
             flat = values.detach().reshape(-1).to("cpu", copy=True)  # a copy: saving a view writes its storage
             key = len(data)
@@ -154,7 +184,7 @@ def save_sharded(
         with atomic_writer(partial / _shard_file(rank), "wb", durable=True) as stream:
             torch.save(data, stream)
         with atomic_writer(partial / f"shard-{rank:05d}.meta.pt", "wb", durable=True) as stream:
-            torch.save({"records": records, "owned": owned}, stream)
+            torch.save({"records": records, "owned": parts.owned}, stream)
     except OSError as exc:
         raise CheckpointError(
             f"rank {rank} could not write its slices of checkpoint {final} ({exc.strerror or exc}); the checkpoints "
@@ -162,15 +192,16 @@ def save_sharded(
         ) from exc
     barrier()
     if rank == 0:
-        index = _index(partial, plain, world_size)
+        index = _index(partial, plain, world_size, parts.aliases)  # every rank's aliases are rank 0's
         save_checkpoint(index, partial, INDEX)
         _publish(partial, final)
     barrier()
     return final
 
 
-def _index(partial: Path, plain: Any, world_size: int) -> dict[str, Any]:
-    """The index from every rank's records: each tensor's slices (checked to cover it once), the owned values."""
+def _index(partial: Path, plain: Any, world_size: int, aliases: list[tuple[Path_, Path_]]) -> dict[str, Any]:
+    """The index from every rank's records: each tensor's slices (checked to cover it once) and aliases, the owned
+    values."""
     tensors: dict[Path_, dict[str, Any]] = {}
     for r in range(world_size):
         meta_path = partial / f"shard-{r:05d}.meta.pt"
@@ -189,10 +220,15 @@ def _index(partial: Path, plain: Any, world_size: int) -> dict[str, Any]:
         entry["slices"].sort(key=lambda s: s[2])
         _check_coverage(entry)
         _insert_slot(plain, entry["path"])
+    for alias, target in aliases:
+        if target not in tensors:
+            raise CheckpointError(f"{_name(alias)} is an alias of {_name(target)}, of which no rank wrote a slice")
+        tensors[target].setdefault("aliases", []).append(alias)
+        _insert_slot(plain, alias)
     files = {f.name: f.stat().st_size for f in sorted(partial.glob("shard-*.pt"))}
     return {
         "layout": LAYOUT,
-        "layout_version": LAYOUT_VERSION,
+        "layout_version": LAYOUT_VERSION if aliases else 1,
         "world_size": world_size,
         "files": files,
         "tensors": list(tensors.values()),
@@ -356,7 +392,9 @@ def open_sharded(path: str | Path) -> dict[str, Any]:
     reader = _Reader(path, index["files"])
     state: dict[str, Any] = index["state"]
     for entry in index["tensors"]:
-        _place(state, tuple(entry["path"]), StoredTensor(reader, entry))
+        stored = StoredTensor(reader, entry)
+        for where in (entry["path"], *entry.get("aliases", ())):
+            _place(state, tuple(where), stored)  # an alias: the same object, so the same tensor once read
     return state
 
 
@@ -368,16 +406,23 @@ def _place(tree: Any, path: Path_, value: StoredTensor) -> None:
 
 
 def materialize(state: Any) -> Any:
-    """``state`` with every :class:`StoredTensor` read whole (a plain state, as a single process saves it)."""
+    """``state`` with every :class:`StoredTensor` read whole (a plain state, as a single process saves it); one
+    read under all its keys (a tied weight's)."""
+    return _materialize(state, {})
+
+
+def _materialize(state: Any, read: dict[int, torch.Tensor]) -> Any:
     if isinstance(state, StoredTensor):
-        return state.full()
+        if id(state) not in read:
+            read[id(state)] = state.full()
+        return read[id(state)]
     if isinstance(state, Mapping):
         out: dict[Any, Any] = OrderedDict() if isinstance(state, OrderedDict) else {}
         for key, value in state.items():
-            out[key] = materialize(value)
+            out[key] = _materialize(value, read)
         return out
     if isinstance(state, (list, tuple)):
-        return type(state)(materialize(v) for v in state)
+        return type(state)(_materialize(v, read) for v in state)
     return state
 
 

@@ -1,21 +1,24 @@
-"""Does a saved state_dict fit this model? Keys, shapes and dtypes, checked before loading.
+"""Does a saved state_dict fit this model? Keys, shapes and dtypes, checked before loading; and which keys hold
+which parameter.
 
 check_compatible(model.state_dict(), saved["model"])     # CheckpointError naming the first difference
 model.load_state_dict(strip_module_prefix(saved["model"]))
+parameter_keys(model, model.parameters())                # {"head.weight": ("embed.weight", weight), ...}
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from paratrain.errors import CheckpointError
 
-__all__ = ["check_compatible", "describe_keys", "strip_module_prefix"]
+__all__ = ["check_compatible", "describe_keys", "parameter_keys", "strip_module_prefix"]
 
 _MODULE_PREFIX = "module."
 _DIFFERENT_MODEL_HINT = (
@@ -91,3 +94,20 @@ def describe_keys(keys: list[Any], limit: int = 5) -> str:
     """A short list of keys for messages: the first few, then how many more."""
     shown = ", ".join(repr(key) for key in keys[:limit])
     return f"[{shown}]" if len(keys) <= limit else f"[{shown}, ... {len(keys) - limit} more]"
+
+
+def parameter_keys(module: nn.Module, params: Iterable[torch.Tensor]) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every state-dict key of ``module`` that names one of ``params``, with the parameter's first name and the
+    parameter: the fully qualified names, as torch's distributed checkpoint matches them.
+
+    A parameter that two modules share (tied weights) has a key under each; both map to its first name (in
+    ``named_parameters`` order), under which a checkpoint stores it once. Keys of other parameters and of buffers
+    are left out.
+    """
+    wanted = {id(p) for p in params}
+    first: dict[int, str] = {}
+    keys: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in wanted:
+            keys[name] = (first.setdefault(id(p), name), p)
+    return keys

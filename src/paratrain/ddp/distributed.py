@@ -15,6 +15,7 @@ takes torch's arguments in torch's order (``ddp_setup.py``); ``docs/ddp.md`` lis
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from paratrain.comm.process_groups import group_sequence, to_seconds
+from paratrain.ddp.bucket_collective import AllReduce, CollectiveFactory
 from paratrain.ddp.comm_hooks import CommHook
 from paratrain.ddp.join import Join
 from paratrain.ddp.reducer import Reducer
@@ -122,6 +124,7 @@ class DistributedDataParallel(nn.Module):
         hang_report: str | None = None,
         _overlap: bool = True,
         _hang_checks: bool = True,
+        _collective: CollectiveFactory | None = None,
     ) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
@@ -169,6 +172,8 @@ class DistributedDataParallel(nn.Module):
         self._bucket_cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self._overlap = _overlap  # private: False waits for the end of backward, so benchmarks can price overlap
         self._hang_checks = _hang_checks  # private: False leaves out the drift check, so benchmarks can price it
+        # private: what sums the buckets (the sharded wrappers' reduce-scatter); None: the all-reduce
+        self._collective = _collective
 
         self._attach(self._start_up(self._timeout) if init_sync else self._local_namespace("unsynced"))
         if init_sync:
@@ -192,26 +197,25 @@ class DistributedDataParallel(nn.Module):
             for name, p in self.module.named_parameters()
             if p.requires_grad and name not in self.parameters_to_ignore
         ]
-        self.reducer = self._make_reducer([p for _, p in named], [name for name, _ in named])
+        collective = getattr(self, "_collective", None)  # a wrapper pickled before it had one
+        if collective is None:
+            collective = functools.partial(AllReduce, grad_as_view=self.gradient_as_bucket_view)
+        self.reducer = Reducer(
+            [p for _, p in named],
+            [name for name, _ in named],
+            group=self.process_group,
+            monitor=self.monitor,
+            bucket_cap_bytes=self._bucket_cap_bytes,
+            find_unused=self.find_unused_parameters,
+            collective=collective,
+            static_graph=self.static_graph,
+            overlap=self._overlap,
+        )
         ref = weakref.ref(self.reducer)
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(lambda param, i=i: _on_grad(ref, i, param))
             for i, (_, p) in enumerate(named)
         ]
-
-    def _make_reducer(self, params: list[nn.Parameter], names: list[str]) -> Reducer:
-        """What averages the gradients of ``params`` (the sharded wrappers put a reduce-scatter here)."""
-        return Reducer(
-            params,
-            names,
-            group=self.process_group,
-            monitor=self.monitor,
-            bucket_cap_bytes=self._bucket_cap_bytes,
-            find_unused=self.find_unused_parameters,
-            grad_as_view=self.gradient_as_bucket_view,
-            static_graph=self.static_graph,
-            overlap=self._overlap,
-        )
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -373,13 +377,18 @@ class DistributedDataParallel(nn.Module):
         """
         if not callable(hook):
             raise ConfigError(f"hook must be callable as hook(state, bucket); found {type(hook).__name__}")
-        if self.reducer.hook is not None:
+        collective = self.reducer.collective
+        if not isinstance(collective, AllReduce):
+            raise ConfigError(
+                f"a communication hook replaces the all-reduce of each bucket; this wrapper's buckets are summed by "
+                f"a {collective.name}: use DistributedDataParallel for a hook"
+            )
+        if collective.hook is not None:
             raise ConfigError(
                 f"register_comm_hook can be called once per DistributedDataParallel (as torch's); "
-                f"{getattr(self.reducer.hook, '__name__', 'a hook')} is registered already"
+                f"{getattr(collective.hook, '__name__', 'a hook')} is registered already"
             )
-        self.reducer.hook = hook
-        self.reducer.hook_state = state
+        collective.register_hook(state, hook)
 
     def _set_static_graph(self) -> None:
         """torch's private, older spelling of ``static_graph=True``, for code written against it; before training."""

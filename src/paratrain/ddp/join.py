@@ -100,7 +100,7 @@ class Join:
         if self.throw_on_early_termination and active < self.ddp.world_size:
             raise DistributedError(self._early_termination(active))
         if not self.divide_by_initial_world_size:
-            self.ddp.reducer.divisor = active
+            self.ddp.reducer.collective.divisor = active
         return authority
 
     def _early_termination(self, active: int) -> str:
@@ -134,4 +134,4 @@ class Join:
             ddp._sync_final_model(last_to_finish)
         finally:
             ddp._join = None
-            ddp.reducer.divisor = ddp.world_size
+            ddp.reducer.collective.divisor = ddp.world_size

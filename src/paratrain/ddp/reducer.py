@@ -7,6 +7,10 @@ queued on the autograd engine (by a hook on the forward's outputs, so on the out
 reentrant checkpointing) runs when backward ends: it launches what is left, waits for every bucket, and writes
 the averaged gradients back, so the optimizer only ever sees synchronised gradients.
 
+What sums a bucket, and where the sums go, is the reducer's collective (:mod:`paratrain.ddp.bucket_collective`):
+an all-reduce in place (ddp, zero1), or a reduce-scatter into this rank's part (zero2,
+:mod:`paratrain.sharded.reducer`); this module decides when.
+
 States of one iteration: ``idle`` (nothing expected) -> ``sync`` (a forward that will synchronise) or
 ``local`` (inside ``no_sync``: gradients stay local) -> back to ``idle`` when backward ends.
 
@@ -29,8 +33,8 @@ import torch.distributed as dist
 
 from paratrain.comm.collectives import CollectiveMonitor
 from paratrain.comm.process_groups import no_python_in_work
+from paratrain.ddp.bucket_collective import AllReduce, CollectiveFactory
 from paratrain.ddp.buckets import Bucket, assign_buckets
-from paratrain.ddp.comm_hooks import CommHook, GradBucket
 from paratrain.diagnostics.profiling import phase
 from paratrain.errors import DistributedError
 from paratrain.tree import flatten
@@ -46,7 +50,11 @@ def _queue_end_of_backward(callback: Any) -> None:
 
 
 class Reducer:
-    """Bucketed, overlapped gradient averaging for one set of parameters."""
+    """Bucketed, overlapped gradient averaging for one set of parameters.
+
+    ``collective`` builds what sums each bucket over the parameters and the buckets (default: an all-reduce in
+    place, the averages copied into ``.grad``); the reducer keeps it as :attr:`collective`.
+    """
 
     def __init__(
         self,
@@ -57,7 +65,7 @@ class Reducer:
         monitor: CollectiveMonitor,
         bucket_cap_bytes: int,
         find_unused: bool,
-        grad_as_view: bool,
+        collective: CollectiveFactory = AllReduce,
         static_graph: bool = False,
         overlap: bool = True,
     ) -> None:
@@ -67,24 +75,16 @@ class Reducer:
         self.monitor = monitor
         self.world_size = monitor.world_size
         self.find_unused = find_unused
-        self.grad_as_view = grad_as_view
         self.static_graph = static_graph
         self.overlap = overlap
         # which parameters got a gradient since the last synchronisation, for the used-parameter map
         self.track_used = find_unused or static_graph
-        # what the built-in average divides by: the world size, or under
-        # join(divide_by_initial_world_size=False) the ranks active in this iteration
-        self.divisor = self.world_size
         self.buckets: list[Bucket] = assign_buckets(self.params, bucket_cap_bytes)
         self.bucket_of = [0] * len(self.params)
         for b, bucket in enumerate(self.buckets):
             for i in bucket.indices:
                 self.bucket_of[i] = b
-        # each bucket's flat buffer, and each parameter's slot in it shaped like the parameter
-        self.buffers: list[torch.Tensor] = [torch.empty(0)] * len(self.buckets)
-        self.views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
-        for b in range(len(self.buckets)):
-            self._allocate(b)
+        self.collective = collective(self.params, self.names, self.buckets, group=group, monitor=monitor)
         # which parameters got a gradient on this rank since the last synchronisation, summed across ranks
         self._used = torch.zeros(len(self.params), dtype=torch.int32, device=self._control_device())
         self._used_since_sync = [False] * len(self.params)
@@ -92,10 +92,6 @@ class Reducer:
         # in the first synchronised backward and trusted from then on (torch's contract for static_graph=True)
         self._expected: list[int] | None = None
         self._static_used: list[int] | None = None
-        # None: the built-in average, which divides while copying gradients in (one pass, as torch's reducer
-        # does) and then sums with a plain all-reduce; a registered hook gets the undivided buffer instead
-        self.hook: CommHook | None = None
-        self.hook_state: Any = group
         self.state = _IDLE
         self.synchronised_steps = 0  # backwards that averaged gradients: static_graph can no longer be turned on
         self.on_synchronised: Callable[[], None] | None = None  # called when a backward's gradients are reduced
@@ -114,15 +110,6 @@ class Reducer:
         if self.static_graph:
             self._calls = [0] * len(self.params)
 
-    def _allocate(self, b: int, numel: int | None = None) -> None:
-        """Give bucket ``b`` a zeroed buffer (of ``numel`` elements: at least the bucket's), and its views."""
-        bucket = self.buckets[b]
-        size = bucket.numel if numel is None else numel
-        self.buffers[b] = buffer = torch.zeros(size, dtype=bucket.dtype, device=bucket.device)
-        for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
-            p = self.params[i]
-            self.views[i] = buffer.narrow(0, offset, p.numel()).view_as(p)
-
     def _control_device(self) -> torch.device:
         return self.buckets[0].device if self.buckets else torch.device("cpu")
 
@@ -134,6 +121,7 @@ class Reducer:
         self.state = _SYNC if sync else _LOCAL
         if sync and self._expected is not None:
             self._absent = [i for i, calls in enumerate(self._expected) if calls == 0]
+        self.collective.prepare(sync)
 
     def watch_outputs(self, outputs: Any) -> None:
         """Queue the end-of-backward callback from the outputs' gradients, the first thing backward computes.
@@ -151,6 +139,7 @@ class Reducer:
     def on_backward(self) -> None:
         """A backward through this iteration's outputs started: finish() runs when it ends."""
         if self.state == _SYNC and not self._callback_queued:
+            self.collective.backward_started()
             _queue_end_of_backward(self.finish)
             self._callback_queued = True
 
@@ -199,30 +188,8 @@ class Reducer:
         if grad is None:
             self._mark_absent(index)
             return
-        self._copy_in(index, grad)
+        self.collective.copy_in(index, grad)
         self._mark_ready(index)
-
-    def _copy_in(self, index: int, grad: torch.Tensor) -> None:
-        """Put this rank's gradient of parameter ``index`` into its bucket slot, divided for the average."""
-        if grad.is_sparse:
-            raise DistributedError(
-                f"parameter {self.names[index]!r} has a sparse gradient; DistributedDataParallel averages dense "
-                f"buckets only: use a dense Embedding (sparse=False) under DDP"
-            )
-        view = self.views[index]
-        divide = self.hook is None and self.divisor > 1
-        if grad is view:
-            if divide:
-                view.div_(self.divisor)
-            return
-        if grad.requires_grad:
-            grad = grad.detach()  # backward(create_graph=True): the values go into the bucket, not the graph
-        if divide:
-            torch.div(grad, self.divisor, out=view)
-        else:
-            view.copy_(grad)
-        if self.grad_as_view:
-            self.params[index].grad = view  # from now on autograd accumulates straight into the bucket
 
     def _mark_absent_ones(self) -> None:
         absent, self._absent = self._absent, []
@@ -235,9 +202,9 @@ class Reducer:
             return
         grad = self.params[index].grad
         if grad is None:
-            self.views[index].zero_()
+            self.collective.zero_slot(index)
         else:
-            self._copy_in(index, grad)
+            self.collective.copy_in(index, grad)
         self._mark_ready(index)
 
     def _not_static(self, what: str) -> str:
@@ -261,23 +228,10 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         seq = self.monitor.launched()
-        with phase(f"paratrain::DistributedDataParallel.all_reduce (bucket {b})"), no_python_in_work():
-            handle = self._start(b)
+        collective = self.collective
+        with phase(f"paratrain::DistributedDataParallel.{collective.label} (bucket {b})"), no_python_in_work():
+            handle = collective.start(b, seq)
         self._launched.append((handle, seq))
-
-    def _start(self, b: int) -> Any:
-        if self.hook is None:
-            return dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
-        bucket = self.buckets[b]
-        grad_bucket = GradBucket(
-            b,
-            self.buffers[b],
-            [self.params[i] for i in bucket.indices],
-            [self.views[i] for i in bucket.indices],
-            b == len(self.buckets) - 1,
-            self.world_size,
-        )
-        return self.hook(self.hook_state, grad_bucket)
 
     def finish(self) -> None:
         """End of backward: launch what is left, wait for every bucket, write the averages into ``.grad``."""
@@ -295,7 +249,7 @@ class Reducer:
                 for i, calls in enumerate(self._calls):
                     grad = self.params[i].grad
                     if calls and grad is not None and not self._ready[i]:
-                        self._copy_in(i, grad)
+                        self.collective.copy_in(i, grad)
                         self._mark_ready(i)
             missing = [self.names[i] for i, ready in enumerate(self._ready) if not ready]
             if missing and not (self.find_unused or learning):
@@ -311,14 +265,11 @@ class Reducer:
                 self._mark_absent(i)  # only those not ready yet
             self._launch_ready()
             used_work = self._reduce_used() if self._reduces_used_map() else None
+            collective = self.collective
             for b, (handle, seq) in enumerate(self._launched):
                 with phase(f"paratrain::DistributedDataParallel.wait (bucket {b})"):
-                    result = self.monitor.wait(handle, seq, f"gradient all-reduce of bucket {b}")
-                # None: a plain all-reduce, in place; a hook's future gives the averaged bucket
-                if isinstance(result, list) and len(result) == 1:
-                    result = result[0]  # hooks written for torch < 1.9 return a list of one tensor
-                if isinstance(result, torch.Tensor) and result is not self.buffers[b]:
-                    self.buffers[b].copy_(result)
+                    result = self.monitor.wait(handle, seq, f"gradient {collective.name} of bucket {b}")
+                collective.done(b, result)
             used: list[int] | None = None
             if used_work is not None:
                 self.monitor.wait(used_work[0], used_work[1], "unused-parameter map")
@@ -326,7 +277,7 @@ class Reducer:
             elif self.track_used:
                 used = self._static_used
             with torch.no_grad():  # backward(create_graph=True) leaves gradients that belong to a graph
-                self._write_back(used)
+                collective.write_back(used)
             if learning:
                 self._expected, self._static_used = self._calls, used
             if self.track_used:
@@ -360,32 +311,24 @@ class Reducer:
         self._retired = [handle for handle, _ in self._launched] + self._extra
         self._launched, self._extra = [], []
 
-    def _write_back(self, used: list[int] | None) -> None:
-        for i, p in enumerate(self.params):
-            if used is not None and used[i] == 0:
-                continue  # unused on every rank: the gradient stays what it was (None after zero_grad)
-            view = self.views[i]
-            if self.grad_as_view or p.grad is None:
-                p.grad = view if self.grad_as_view else view.clone()
-            elif p.grad is not view:
-                p.grad.copy_(view)
-
     def shadow(self) -> None:
         """Join the other ranks' gradient collectives with zeros (this rank has run out of data)."""
-        for buffer in self.buffers:
+        self.collective.reducible_outside_backward()
+        for buffer in self.collective.buffers:
             buffer.zero_()
         self._used_since_sync = [False] * len(self.params)
         self.reduce_buffers("joined rank")
 
     def reduce_buffers(self, why: str = "") -> None:
         """All-reduce every bucket's buffer as it is now, outside backward (joined ranks; benchmarks)."""
+        self.collective.reducible_outside_backward()
         self._reset()
         for b in range(len(self.buckets)):
             self._launch(b)
         used = self._reduce_used() if self._reduces_used_map() else None
         suffix = f" ({why})" if why else ""
         for b, (handle, seq) in enumerate(self._launched):
-            self.monitor.wait(handle, seq, f"gradient all-reduce of bucket {b}{suffix}")
+            self.monitor.wait(handle, seq, f"gradient {self.collective.name} of bucket {b}{suffix}")
         if used is not None:
             self.monitor.wait(used[0], used[1], f"unused-parameter map{suffix}")
         self._retire()

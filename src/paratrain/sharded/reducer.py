@@ -1,7 +1,11 @@
-"""zero2's gradient reducer: each bucket reduce-scattered during backward, each rank keeping only its part.
+"""zero2's bucket collective: each bucket reduce-scattered during backward, each rank keeping only its part.
+
+    reducer = Reducer(params, names, ..., collective=ReduceScatter)    # what ZeroDataParallel(model, stage=2) builds
+    reducer.collective.grads[0]                                       # this rank's part of bucket 0's sum
 
 The buckets, their launch order, the states of an iteration, unused parameters and reentrant backwards are the
-DDP reducer's (:mod:`paratrain.ddp.reducer`, which this subclasses); what differs is where gradients go:
+DDP reducer's (:mod:`paratrain.ddp.reducer`, which calls this collective as it calls DDP's all-reduce,
+:mod:`paratrain.ddp.bucket_collective`); what differs is where gradients go:
 
 - a bucket's flat buffer exists only while the bucket fills and its reduce-scatter runs: it is taken when the
   bucket's first gradient arrives and given back once its collective is done, with at most
@@ -10,7 +14,7 @@ DDP reducer's (:mod:`paratrain.ddp.reducer`, which this subclasses); what differ
 - each parameter's gradient is copied in (divided by the world size, as DDP divides it) and its ``.grad`` freed
   at once; inside ``no_sync`` gradients accumulate in ``.grad`` as under DDP, and the synchronising backward
   copies the sum;
-- the reduce-scatter sums every rank's buffer into each rank's part, :attr:`ShardedReducer.grads` (the padded
+- the reduce-scatter sums every rank's buffer into each rank's part, :attr:`ReduceScatter.grads` (the padded
   part of each bucket, kept from step to step): the gradients of this rank's pieces of the parameters
   (:mod:`paratrain.sharded.partition`).
 
@@ -28,17 +32,19 @@ zeroes the parts, which need no gathering: a backward onto zeros gives what one 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from paratrain.comm.collectives import CollectiveMonitor
 from paratrain.comm.process_groups import no_python_in_work
-from paratrain.ddp.reducer import _SYNC, Reducer
+from paratrain.ddp.bucket_collective import BucketCollective
+from paratrain.ddp.buckets import Bucket
 from paratrain.errors import DistributedError
 from paratrain.sharded.partition import BucketShards, shard_bucket
 
-__all__ = ["MAX_IN_FLIGHT", "ShardedReducer", "all_gather_into", "reduce_scatter_into"]
+__all__ = ["MAX_IN_FLIGHT", "ReduceScatter", "all_gather_into", "reduce_scatter_into"]
 
 MAX_IN_FLIGHT = 2  # buckets whose reduce-scatter may run at once; each holds a full bucket buffer meanwhile
 
@@ -57,14 +63,23 @@ def all_gather_into(buffer: torch.Tensor, part: torch.Tensor, group: Any) -> Any
     return start(buffer, part, group=group, async_op=True)
 
 
-class ShardedReducer(Reducer):
+class ReduceScatter(BucketCollective):
     """Bucketed, overlapped reduce-scatter of gradients: this rank keeps its part of each bucket's sum."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], *, rank: int, **kwargs: Any) -> None:
-        self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
-        self._placeholders: dict[int, torch.Tensor] = {}  # each bucket's buffer while it has none (_allocate)
-        super().__init__(params, names, **kwargs)
-        self.rank = rank
+    name: ClassVar[str] = "reduce-scatter"
+    label: ClassVar[str] = "reduce_scatter"
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        buckets: Sequence[Bucket],
+        *,
+        group: Any,
+        monitor: CollectiveMonitor,
+    ) -> None:
+        super().__init__(params, names, buckets, group=group, monitor=monitor)
+        self.rank = dist.get_rank(group)
         numels = [p.numel() for p in self.params]
         self.shards: list[BucketShards] = [shard_bucket(b, numels, self.world_size) for b in self.buckets]
         # this rank's part of each bucket's summed gradient: its pieces' gradients, kept between steps
@@ -73,18 +88,15 @@ class ShardedReducer(Reducer):
         ]
         self.reduced = [False] * len(self.params)  # parameter i has a gradient in the parts (None if not)
         self.held = False  # the parts hold gradients that the next backward adds to: gathered into .grad first
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.indices}
+        # while a bucket has no buffer, an empty one of its own dtype and device stands in (and in its views)
+        self._placeholders = [torch.empty(0, dtype=b.dtype, device=b.device) for b in self.buckets]
+        self.buffers = list(self._placeholders)
+        self.views = [self._placeholders[self.bucket_of[i]] for i in range(len(self.params))]
+        self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
+        self._works: dict[int, tuple[Any, int]] = {}  # each unfinished bucket's Work and collective number
 
     # -- buffers that come and go -----------------------------------------------------------------------------
-
-    def _allocate(self, b: int, numel: int | None = None) -> None:
-        # no buffer until the bucket's first gradient arrives (_ensure): an empty one of the bucket's own
-        bucket = self.buckets[b]
-        empty = self._placeholders.get(b)
-        if empty is None:
-            empty = self._placeholders[b] = torch.empty(0, dtype=bucket.dtype, device=bucket.device)
-        self.buffers[b] = empty
-        for i in bucket.indices:
-            self.views[i] = empty
 
     def _ensure(self, b: int) -> None:
         """Bucket ``b``'s buffer, taken now if it has none (after the oldest launched bucket is done, if need be)."""
@@ -100,34 +112,36 @@ class ShardedReducer(Reducer):
             p = self.params[i]
             self.views[i] = buffer.narrow(0, offset, p.numel()).view_as(p)
 
-    def _copy_in(self, index: int, grad: torch.Tensor) -> None:
+    def _release(self, b: int) -> None:
+        """Give bucket ``b``'s buffer back: its placeholder stands in again."""
+        empty = self._placeholders[b]
+        self.buffers[b] = empty
+        for i in self.buckets[b].indices:
+            self.views[i] = empty
+        self._unfinished.remove(b)
+        del self._works[b]
+
+    def copy_in(self, index: int, grad: torch.Tensor) -> None:
         self._ensure(self.bucket_of[index])
-        super()._copy_in(index, grad)
+        super().copy_in(index, grad)
         self.params[index].grad = None  # the bucket holds it now; only this rank's part is kept after the sum
 
-    def _mark_absent(self, index: int) -> None:
-        if not self._ready[index]:
-            self._ensure(self.bucket_of[index])
-        super()._mark_absent(index)
-
-    def _reset(self) -> None:
-        super()._reset()
-        # what a backward that failed half-way left behind (the next forward starts clean)
-        for b in self._unfinished:
-            self._allocate(b)
-        self._unfinished = []
-
-    # -- gradients that add up across synchronised backwards -------------------------------------------------
+    def zero_slot(self, index: int) -> None:
+        self._ensure(self.bucket_of[index])
+        super().zero_slot(index)
 
     def prepare(self, sync: bool) -> None:
-        super().prepare(sync)
+        # what a backward that failed half-way left behind (the next forward starts clean)
+        for b in list(self._unfinished):
+            self._release(b)
         if not sync and self.held:
             self._restore()  # inside no_sync autograd adds to .grad from the first gradient on
 
-    def on_backward(self) -> None:
-        if self.state == _SYNC and self.held:
+    # -- gradients that add up across synchronised backwards -------------------------------------------------
+
+    def backward_started(self) -> None:
+        if self.held:
             self._restore()  # before autograd adds this backward's gradients (but the first, added to)
-        super().on_backward()
 
     def _restore(self) -> None:
         """All-gather the kept parts into ``.grad``, as DDP holds them after a synchronised backward."""
@@ -153,22 +167,25 @@ class ShardedReducer(Reducer):
 
     # -- the collectives ----------------------------------------------------------------------------------------
 
-    def _start(self, b: int) -> Any:
+    def start(self, b: int, seq: int) -> Any:
         self._ensure(b)
+        work = reduce_scatter_into(self.grads[b], self.buffers[b], self.group)
         self._unfinished.append(b)
-        return reduce_scatter_into(self.grads[b], self.buffers[b], self.group)
+        self._works[b] = (work, seq)
+        return work
 
     def _settle(self, b: int) -> None:
         """Wait for bucket ``b``'s reduce-scatter and give its buffer back."""
-        handle, seq = self._launched[b]  # buckets launch in index order
-        self.monitor.wait(handle, seq, f"gradient reduce-scatter of bucket {b}")
-        self._allocate(b)
-        self._unfinished.remove(b)
+        work, seq = self._works[b]
+        self.monitor.wait(work, seq, f"gradient reduce-scatter of bucket {b}")
+        self._release(b)
 
-    def _write_back(self, used: list[int] | None) -> None:
-        # every bucket was waited for (finish): settle the rest; no rank holds a whole gradient afterwards
-        for b in list(self._unfinished):
-            self._settle(b)
+    def done(self, b: int, result: Any) -> None:
+        if b in self._works:
+            self._release(b)  # waited for by the reducer: the buffer is free
+
+    def write_back(self, used: list[int] | None) -> None:
+        # every bucket was waited for and given back (done): no rank holds a whole gradient afterwards
         # a parameter unused on every rank keeps what it had (zeros, or what it was gathered back with)
         self.reduced = [used is None or used[i] != 0 or self.reduced[i] for i in range(len(self.params))]
         self.held = any(self.reduced)
@@ -184,8 +201,9 @@ class ShardedReducer(Reducer):
         for g in self.grads:
             g.zero_()
 
-    def shadow(self) -> None:
-        raise DistributedError("join() is not supported under zero2: give every rank the same number of batches")
-
-    def reduce_buffers(self, why: str = "") -> None:
-        raise DistributedError("zero2 reduces its gradients during backward only")
+    def reducible_outside_backward(self) -> None:
+        raise DistributedError(
+            "zero2 reduces its gradients during backward only (a bucket's buffer exists while backward fills it): "
+            "join() and reducing the buckets outside backward are not supported; give every rank the same number "
+            "of batches"
+        )

@@ -34,13 +34,12 @@ from torch import nn
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
 from paratrain.comm.process_groups import no_python_in_work
 from paratrain.ddp.distributed import DistributedDataParallel
-from paratrain.ddp.reducer import Reducer
 from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.grad_norm import norm_terms
 from paratrain.sharded.optimizer import OwnedPiece
 from paratrain.sharded.partition import BucketShards, shard_bucket
-from paratrain.sharded.reducer import ShardedReducer, all_gather_into
+from paratrain.sharded.reducer import ReduceScatter, all_gather_into
 
 __all__ = ["STAGES", "ZeroDataParallel"]
 
@@ -73,19 +72,23 @@ class ZeroDataParallel(DistributedDataParallel):
     ) -> None:
         if stage not in STAGES:
             raise ConfigError(f"ZeRO stage must be 1 (optimizer state sharded) or 2 (and gradients); found {stage!r}")
-        self.stage = stage  # _make_reducer, called by the constructor below, reads it
         super().__init__(
             module,
             device_ids=device_ids,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=stage == 1,  # the buckets are the gradients: no second copy
+            gradient_as_bucket_view=stage == 1,  # zero1: the buckets are the gradients, no second copy
             timeout=timeout,
             hang_report=hang_report,
+            _collective=ReduceScatter if stage == 2 else None,  # None: ddp's all-reduce
         )
+        self.stage = stage
         reducer = self.reducer
-        if isinstance(reducer, ShardedReducer):
-            self.shards: list[BucketShards] = reducer.shards
+        collective = reducer.collective
+        # zero2: this rank's parts of the reduced gradients; zero1: the all-reduced buckets
+        self._scatter = collective if isinstance(collective, ReduceScatter) else None
+        if self._scatter is not None:
+            self.shards: list[BucketShards] = self._scatter.shards
         else:
             numels = [p.numel() for p in reducer.params]
             self.shards = [shard_bucket(b, numels, self.world_size) for b in reducer.buckets]
@@ -98,22 +101,6 @@ class ZeroDataParallel(DistributedDataParallel):
         self._gathers: list[tuple[int, Any, int]] = []  # (bucket, Work, collective number) not waited for yet
         self._synchronised: list[Callable[[], None]] = []
         reducer.on_synchronised = self._after_sync
-
-    def _make_reducer(self, params: list[nn.Parameter], names: list[str]) -> Reducer:
-        if self.stage == 1:
-            return super()._make_reducer(params, names)
-        return ShardedReducer(
-            params,
-            names,
-            rank=dist.get_rank(self.process_group),
-            group=self.process_group,
-            monitor=self.monitor,
-            bucket_cap_bytes=self._bucket_cap_bytes,
-            find_unused=self.find_unused_parameters,
-            grad_as_view=False,
-            static_graph=self.static_graph,
-            overlap=self._overlap,
-        )
 
     def _flatten(self) -> list[torch.Tensor]:
         """Make every bucket's parameters views of one padded flat buffer (the weights rank 0 broadcast)."""
@@ -153,14 +140,14 @@ class ZeroDataParallel(DistributedDataParallel):
         """The reduced gradient of ``piece`` (a view), or None when its parameter has none."""
         b, index = piece.bucket, self._index[id(piece.param)]
         at = self._start_in_bucket[index] + piece.start  # the piece's first element in the bucket
-        reducer = self.reducer
-        if isinstance(reducer, ShardedReducer):
-            if not reducer.reduced[index]:
+        scatter = self._scatter
+        if scatter is not None:
+            if not scatter.reduced[index]:
                 return None
-            return reducer.grads[b].narrow(0, at - self.rank * self.shards[b].part, piece.length)
+            return scatter.grads[b].narrow(0, at - self.rank * self.shards[b].part, piece.length)
         if piece.param.grad is None:
             return None
-        return reducer.buffers[b].narrow(0, at, piece.length)
+        return self.reducer.collective.buffers[b].narrow(0, at, piece.length)
 
     def launch_gather(self, bucket: int) -> None:
         """Start the all-gather that gives every rank bucket ``bucket``'s updated weights from their owners."""
@@ -185,8 +172,8 @@ class ZeroDataParallel(DistributedDataParallel):
             elif p.grad is not None:
                 with torch.no_grad():
                     p.grad.zero_()
-        if isinstance(self.reducer, ShardedReducer):
-            self.reducer.zero_grad(set_to_none)
+        if self._scatter is not None:
+            self._scatter.zero_grad(set_to_none)
 
     def agree_found_inf(self, found: dict[torch.device, torch.Tensor]) -> None:
         """The gradient scaler's per-device inf/nan flags, made the maximum over every rank (in place)."""
@@ -238,10 +225,9 @@ class ZeroDataParallel(DistributedDataParallel):
         return grads
 
     def _has_grad(self, index: int) -> bool:
-        reducer = self.reducer
-        if isinstance(reducer, ShardedReducer):
-            return reducer.reduced[index]
-        return reducer.params[index].grad is not None
+        if self._scatter is not None:
+            return self._scatter.reduced[index]
+        return self.reducer.params[index].grad is not None
 
     # -- what DDP offers and the sharded wrapper does not -----------------------------------------------------
 

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.checkpoint.sharded import LocalSlices, materialize
+from paratrain.checkpoint.sharded import Alias, LocalSlices, materialize
+from paratrain.checkpoint.state_dicts import parameter_keys
 from paratrain.errors import ConfigError
 from paratrain.sharded.grad_norm import clip_with_norm
 from paratrain.sharded.optimizer import ShardedOptimizer, shard_optimizer
@@ -92,17 +93,25 @@ class ZeroStrategy(DistributedStrategy):
     # -- checkpoints: every rank its own slices ---------------------------------------------------------------
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
-        """The model's state dict with every bucketed parameter as this rank's slices of it."""
+        """The model's state dict with every bucketed parameter as this rank's slices of it, found by name.
+
+        A tied parameter is sliced under its first name; its other keys are :class:`Alias` es of that one. A key
+        whose value is not the parameter's data (a state-dict hook replaced it) is saved as it is, by rank 0.
+        """
         wrapper = self.wrapper_of(model, "saving the model")
         mine: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for piece in wrapper.owned_pieces():
             mine.setdefault(id(piece.param), []).append((piece.start, piece.value))
-        by_storage = {(p.data_ptr(), tuple(p.shape)): p for p in wrapper.reducer.params if p.numel()}
         state = wrapper.module.state_dict()
-        for key, value in state.items():
-            p = by_storage.get((value.data_ptr(), tuple(value.shape)))
-            if p is not None:  # the state dict holds the parameter's data (tied parameters: under each name)
+        values = dict(state)  # as state_dict() gave them, while state's are replaced
+        keys = parameter_keys(wrapper.module, (p for p in wrapper.reducer.params if p.numel()))
+        for key, (first, p) in keys.items():
+            if not (_holds(values.get(key), p) and _holds(values.get(first), p)):
+                continue
+            if key == first:
                 state[key] = LocalSlices(tuple(p.shape), p.dtype, list(mine.get(id(p), [])))
+            else:
+                state[key] = Alias(first)
         return state
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -115,6 +124,16 @@ class ZeroStrategy(DistributedStrategy):
             optimizer.load_state_dict(state)  # reads only the slices of this rank's pieces
             return
         optimizer.load_state_dict(materialize(state))
+
+
+def _holds(value: Any, param: torch.Tensor) -> bool:
+    """Whether a state dict's ``value`` is ``param``'s data (``state_dict()`` gives it detached, not a copy)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.shape == param.shape
+        and value.dtype == param.dtype
+        and value.data_ptr() == param.data_ptr()
+    )
 
 
 class Zero1Strategy(ZeroStrategy):
