@@ -166,6 +166,7 @@ def train(
 CONFIGS: dict[str, dict[str, Any]] = {
     "mlp, sgd momentum": {"model_name": "mlp", "optimizer": "sgd"},
     "mlp, adamw": {"model_name": "mlp", "optimizer": "adamw"},
+    "mlp, sgd momentum, accumulate 2, clip": {"model_name": "mlp", "optimizer": "sgd", "accumulate": 2, "clip": 0.05},
     "mlp, adamw, accumulate 3, clip": {"model_name": "mlp", "optimizer": "adamw", "accumulate": 3, "clip": 0.5},
     "mlp, sgd, no prefetch, kept after forward": {
         "model_name": "mlp",
@@ -377,7 +378,7 @@ def two_ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     }
 
 
-THREE_RANK_CONFIGS = ("mlp, adamw, accumulate 3, clip", "gpt tied + frozen, sgd momentum")
+THREE_RANK_CONFIGS = ("mlp, adamw", "mlp, sgd momentum, accumulate 2, clip", "gpt tied + frozen, sgd momentum")
 
 
 def three_ranks(rank: int, world: int, directory: str) -> dict[str, Any]:

@@ -26,7 +26,17 @@ from paratrain.sharded.partition import BucketShards, Piece, shard_bucket
 from paratrain.sharded.reducer import all_gather_into
 from paratrain.sharded.units import UnitPlan
 
-__all__ = ["ShardedUnit"]
+__all__ = ["ShardedUnit", "unit_layout"]
+
+
+def unit_layout(
+    index: int, numels: list[int], dtype: torch.dtype, device: torch.device, world_size: int
+) -> BucketShards:
+    """How a unit of parameters of ``numels`` elements splits across ``world_size`` ranks (zero1/zero2's layout
+    of one bucket: back to back, padded to equal parts)."""
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    bucket = Bucket(index, tuple(range(len(numels))), tuple(offsets), sum(numels), dtype, device)
+    return shard_bucket(bucket, numels, world_size)
 
 
 class ShardedUnit:
@@ -48,8 +58,7 @@ class ShardedUnit:
         offsets = [sum(numels[:i]) for i in range(len(numels))]
         self.offsets = offsets
         # the layout is zero1/zero2's: one bucket, parameters back to back, split into world_size equal parts
-        bucket = Bucket(index, tuple(range(len(numels))), tuple(offsets), sum(numels), self.dtype, self.device)
-        self.layout: BucketShards = shard_bucket(bucket, numels, world_size)
+        self.layout: BucketShards = unit_layout(index, numels, self.dtype, self.device, world_size)
         self.part = self.layout.part
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         self.frozen = len(self.trainable) < len(self.params)
