@@ -43,11 +43,21 @@ def test_two_ranks_train_bit_for_bit_as_ddp(two, config):
         assert r["keys"] and r["user_keys"]  # the prepared model's state_dict: the user's keys, whole tensors
 
 
+def test_three_ranks_sum_the_gradients_within_float32_rounding_of_ddp(three):
+    for rank in three:
+        r = rank["gradients"]
+        # the unit buffers are cut at other places than ddp's buckets, so gloo's reduce-scatter adds some elements'
+        # three terms in another order than ddp's all-reduce does: one rounding step apart, no more
+        assert r["moved"] and r["rel"] < 1e-7, r
+
+
 @pytest.mark.parametrize("config", THREE_RANK_CONFIGS)
-def test_three_ranks_within_float32_rounding_of_ddp(three, config):
+def test_three_ranks_train_within_float32_rounding_of_ddp(three, config):
     for rank in three:
         r = rank["exactness"][config]
-        assert r["bitwise"] or r["rel"] < 1e-6, r
+        # AdamW normalises each element's step: a gradient that nearly cancels across ranks (pure rounding) moves
+        # its weight by up to lr * |g| / (|g| + eps) either way; SGD carries the rounding as it is
+        assert r["bitwise"] or r["rel"] < (1e-4 if "adamw" in config else 1e-6), r
         assert r["keys"] and r["user_keys"] and r["finite"]
 
 
@@ -69,7 +79,8 @@ def test_a_rank_holds_its_shards_and_parts_of_the_gradients(two):
         assert r["whole_grads_gone"]
         assert r["model_numel"] / 2 <= r["shard_numel"] < r["model_numel"] / 2 + 3 * 4
         assert r["params_keep_shape"] and r["params_read_nan"]  # between uses: the shapes, no values
-        assert r["model_numel"] <= r["optimizer_state"] < r["model_numel"] + 2 * 3 * 4  # two moments, half each
+        # two moments of this rank's half of the elements (its parts less the padding that ends some of them)
+        assert abs(r["optimizer_state"] - r["model_numel"]) <= 2 * 3 * 4
         assert r["gradients_whole"]  # par.gradients gathers them
 
 
@@ -106,3 +117,8 @@ def test_a_meta_model_is_materialised_as_a_plain_build_and_trains_as_ddp(two):
             assert r[f"{name}_equal"], name  # the weights a plain build with the same seed has
             assert r[f"{name}_tied"]
             assert r[f"{name}_trains_as_ddp"], name  # the optimizer built over the meta model steps the new weights
+
+
+def test_two_ranks_reduce_the_gradients_bit_for_bit_as_ddp(two):
+    for rank in two:
+        assert rank["gradients"]["bitwise"] and rank["gradients"]["moved"]

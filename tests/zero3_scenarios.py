@@ -231,6 +231,23 @@ def two_backwards(rank: int, world: int) -> dict[str, Any]:
     return found
 
 
+def gradients(rank: int, world: int) -> dict[str, Any]:
+    """One backward's reduced gradients under zero3 (gathered from the shards) against ddp's."""
+    grads = {}
+    for strategy in ("ddp", "zero3"):
+        with parallel(strategy, "mlp") as par:
+            net = build("mlp")
+            net, _, loader = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), batches("mlp", 1))
+            for x, y in loader:
+                par.backward(loss_of(net(x), y))
+            grads[strategy] = torch.cat([g.reshape(-1) for g in par.gradients(net)])
+    return {
+        "bitwise": torch.equal(grads["zero3"], grads["ddp"]),
+        "rel": _relative(grads["zero3"], grads["ddp"]),
+        "moved": bool(grads["ddp"].abs().max() > 0),
+    }
+
+
 def memory_and_layout(rank: int, world: int) -> dict[str, Any]:
     """What a rank holds: its shards only between steps, parameters reading NaN, gradients as shard parts."""
     with parallel("zero3", "mlp") as par:
@@ -371,6 +388,7 @@ def two_ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     return {
         "exactness": exactness(rank, world),
         "two_backwards": two_backwards(rank, world),
+        "gradients": gradients(rank, world),
         "memory": memory_and_layout(rank, world),
         "checkpoints": checkpoints(rank, world, directory),
         "resume_elsewhere": resume_elsewhere(rank, world, directory),
@@ -385,5 +403,6 @@ def three_ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Two configurations against ddp, and the checkpoint that two ranks resume."""
     return {
         "exactness": exactness(rank, world, THREE_RANK_CONFIGS),
+        "gradients": gradients(rank, world),
         "checkpoints": checkpoints(rank, world, directory, others=False),
     }
