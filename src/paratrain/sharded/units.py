@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
@@ -151,19 +150,3 @@ def plan_units(model: nn.Module, units: UnitSpec | None = None, min_params: int 
             )
         plan.append(UnitPlan(name, modules[name], tuple(p for _, p in held[name]), tuple(n for n, _ in held[name])))
     return plan
-
-
-def describe_plan(plan: Sequence[UnitPlan]) -> str:
-    """``3 units: (root) 12.3k, blocks.0 264.7k, ...``: for logs and errors."""
-    shown = ", ".join(f"{u.name or '(root)'} {_size(u.numel)}" for u in plan[:8])
-    more = f", ... {len(plan) - 8} more" if len(plan) > 8 else ""
-    return f"{len(plan)} unit{'s' * (len(plan) != 1)}: {shown}{more}"
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
-
-
-def frozen_params(plan: Sequence[UnitPlan]) -> list[torch.Tensor]:
-    """Every planned parameter that requires no gradient."""
-    return [p for unit in plan for p in unit.params if not p.requires_grad]
