@@ -82,6 +82,10 @@ def test_a_rank_holds_its_shards_and_parts_of_the_gradients(two):
         # two moments of this rank's half of the elements (its parts less the padding that ends some of them)
         assert abs(r["optimizer_state"] - r["model_numel"]) <= 2 * 3 * 4
         assert r["gradients_whole"]  # par.gradients gathers them
+        # prefetch 1, units root, "2", "4": once the first forward has shown the order, a forward gathers "2"
+        # while the root's first layer computes and "4" while "2" does; a backward "2" while "4" computes (the root
+        # is still whole)
+        assert r["prefetched"] == [{"forward": 0, "backward": 1}, {"forward": 2, "backward": 2}]
 
 
 def test_a_zero3_checkpoint_resumes_under_zero3_ddp_and_single_and_ddp_zero2_ones_under_zero3(two):

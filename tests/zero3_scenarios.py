@@ -274,6 +274,9 @@ def memory_and_layout(rank: int, world: int) -> dict[str, Any]:
         found["params_read_nan"] = all(bool(p.isnan().all()) for p in par.unwrap(net).parameters())
         held = sum(v.numel() for s in opt.state.values() for k, v in s.items() if k != "step")
         found["optimizer_state"] = held
+        first = dict(net.prefetched)  # the first forward learns the order: only its backward prefetches
+        par.backward(loss_of(net(x), y))
+        found["prefetched"] = [first, dict(net.prefetched)]
         grads = par.gradients(net)
         found["gradients_whole"] = all(g is not None for g in grads)
     return found

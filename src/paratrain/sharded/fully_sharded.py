@@ -146,6 +146,7 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
         self._reducing: list[_Reducing] = []
         self._order: list[int] | None = None  # the units in the order the first training forward ran them
+        self.prefetched = {"forward": 0, "backward": 0}  # all-gathers started ahead of their unit
         self._recording: list[int] | None = None
         self._synchronised: list[Callable[[], None]] = []
         self._sharded_state = False  # state_dict() as stored: the parameters left as they rest (checkpoints)
@@ -241,9 +242,10 @@ class FullyShardedDataParallel(nn.Module):
         at = order.index(unit.index)
         for index in order[at + 1 : at + 1 + self.prefetch]:
             ahead = self.units[index]
-            if backward and ahead.backward_started:
+            if (backward and ahead.backward_started) or ahead.gathered or ahead.gathering is not None:
                 continue
             ahead.launch_gather(self.process_group, self.monitor)
+            self.prefetched["backward" if backward else "forward"] += 1
 
     def _pre_forward(self, unit: ShardedUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._recording is not None and unit.index not in self._recording:

@@ -174,7 +174,7 @@ def run_in(par: Parallel, settings: VerifyConfig, extra: dict[str, Any]) -> dict
     if exact:  # after prepare's own hook, which knows the batch by the tensors the loader yielded
         model.register_forward_pre_hook(_to_float64)
     inner = par.unwrap(model)
-    params = list(inner.parameters())
+    names = [n for n, _ in inner.named_parameters()]
     seed_everything(settings.seed)  # every configuration's random stream starts alike (dropout)
     batches = endless(loader)
     losses, grads, after = [], [], []
@@ -196,8 +196,9 @@ def run_in(par: Parallel, settings: VerifyConfig, extra: dict[str, Any]) -> dict
         # whole, also where no process holds a whole gradient (zero2, zero3 gather their shards)
         grads.append([None if g is None else g.detach().to("cpu", copy=True) for g in par.gradients(model)])
         par.step(optimizer)
-        after.append([p.detach().to("cpu", copy=True) for p in params])
-    return {"names": [n for n, _ in inner.named_parameters()], "losses": losses, "grads": grads, "params": after}
+        state = inner.state_dict()  # the weights whole, also where each process holds a shard (zero3 gathers them)
+        after.append([state[n].detach().to("cpu", copy=True) for n in names])
+    return {"names": names, "losses": losses, "grads": grads, "params": after}
 
 
 def _to_float64(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
