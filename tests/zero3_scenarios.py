@@ -183,6 +183,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gpt tied + frozen, sgd momentum": {"model_name": "gpt", "optimizer": "sgd"},
     "batchnorm + frozen, sgd momentum, clip": {"model_name": "bn", "optimizer": "sgd", "clip": 0.1},
     "mlp, adamw, bf16-mixed": {"model_name": "mlp", "optimizer": "adamw", "precision": "bf16-mixed"},
+    "mlp, adamw, 16-mixed, clip": {"model_name": "mlp", "optimizer": "adamw", "precision": "16-mixed", "clip": 1.0},
 }
 
 
@@ -223,11 +224,14 @@ def state_of_plain(model_name: str) -> dict[str, torch.Tensor]:
 
 
 def two_backwards(rank: int, world: int) -> dict[str, Any]:
-    """Two synchronised backwards before one step add up, as .grad does under ddp (another summation order)."""
+    """Two synchronised backwards before one step add up, as .grad does under ddp; also with a no_sync backward
+    after a synchronised one (accumulating into the reduced gradient)."""
     runs = {s: train(s, "mlp", optimizer="sgd", backwards=2) for s in ("ddp", "zero3")}
     once = train("ddp", "mlp", optimizer="sgd")
     found = compare(runs, "ddp", "zero3")
     found["differs_from_one_backward"] = not torch.equal(flat(once["after"][-1]), flat(runs["ddp"]["after"][-1]))
+    mixed = {s: train(s, "mlp", optimizer="adamw", backwards=2, accumulate=2) for s in ("ddp", "zero3")}
+    found["with_no_sync"] = compare(mixed, "ddp", "zero3")
     return found
 
 

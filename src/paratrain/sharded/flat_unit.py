@@ -73,7 +73,7 @@ class ShardedUnit:
         self.gathered = True  # the buffer holds the whole weights (true while the constructor fills it)
         self.gathering: tuple[Any, int] | None = None  # an all-gather in flight: (Work, collective number)
         self.in_use = False  # the parameters are views of the buffer
-        # gradients: the whole unit's, kept while they arrive (undivided inside no_sync), and this rank's part
+        # gradients: the whole unit's while they arrive (undivided inside no_sync), and this rank's part of the sum
         self.grad_full: torch.Tensor | None = None
         self.holds = [False] * len(self.params)  # grad_full has a value for parameter i
         self.shard_grad: torch.Tensor | None = None
@@ -152,9 +152,7 @@ class ShardedUnit:
             )
         self.arrived[i] = True
         self.pending -= 1
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.device)
-            self.holds = [False] * len(self.params)
+        assert self.grad_full is not None, "open_grad() comes first"
         slot = self.grad_full.narrow(0, self.offsets[i], p.numel()).view_as(p)
         if grad.requires_grad:
             grad = grad.detach()
@@ -167,11 +165,25 @@ class ShardedUnit:
             if sync and self.world_size > 1:
                 slot.div_(self.world_size)  # our DDP's average: divide each rank's gradient, then sum
 
+    def open_grad(self, group: Any, monitor: CollectiveMonitor) -> None:
+        """The unit's whole gradient, before the first of a backward's gradients goes in: zeros, or the reduced
+        gradient kept from an earlier backward (gathered from every rank), to which autograd's are added as to
+        ``.grad`` under ddp, in ddp's order; the next reduce-scatter then replaces this rank's part."""
+        if self.grad_full is not None:
+            return
+        self.grad_full = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.device)
+        self.holds = [False] * len(self.params)
+        if self.shard_grad is not None:
+            seq = monitor.launched()
+            with no_python_in_work():
+                work = all_gather_into(self.grad_full, self.shard_grad, group)
+            monitor.wait(work, seq, f"all-gather of the kept gradients of unit {self.label}")
+            self.holds = [p.requires_grad for p in self.params]
+            self.shard_grad = None
+
     def divide_missing(self) -> None:
         """Before a reduce-scatter: the slots of parameters without a gradient in this backward, divided too."""
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.device)
-            self.holds = [False] * len(self.params)
+        assert self.grad_full is not None, "open_grad() comes first"
         if self.world_size == 1:
             return
         with torch.no_grad():
@@ -181,10 +193,8 @@ class ShardedUnit:
                     self.grad_full.narrow(0, self.offsets[i], p.numel()).div_(self.world_size)
 
     def add_reduced(self, part: torch.Tensor) -> None:
-        if self.shard_grad is None:
-            self.shard_grad = part
-        else:
-            self.shard_grad += part
+        """This rank's part of the reduced gradient (which holds what the unit kept before: see open_grad)."""
+        self.shard_grad = part
         self.grad_full = None
         self.holds = [False] * len(self.params)
 

@@ -14,9 +14,11 @@ so the model runs the same whether called through the wrapper or directly:
   it; after the forward the buffer's storage is released (``reshard_after_forward``; the root keeps its weights
   through a training forward, its backward comes first); between uses a parameter keeps its shape and reads NaN;
 - a hook on the unit's outputs gathers the weights again before its backward; once every gradient of the unit
-  has arrived they are divided by the world size (as our DDP divides them), summed by a reduce-scatter, and this
-  rank's part added to the shard's gradient: gradients add up across backwards as ``.grad`` does. Inside
-  ``no_sync`` the unit's whole gradients are kept instead, and reduced by the next synchronising backward;
+  has arrived they are divided by the world size (as our DDP divides them) and summed by a reduce-scatter into
+  this rank's part of the shard's gradient. Gradients add up across backwards as ``.grad`` does, in ddp's order:
+  a gradient kept from an earlier backward is gathered back as the next one begins, autograd's added to it, and
+  the sum divided and reduced again. Inside ``no_sync`` the unit's whole gradients are kept, and reduced by the
+  next synchronising backward;
 - the next unit's all-gather is started while the current one computes (``prefetch`` units ahead, in the order
   the first training forward ran them; backwards in reverse).
 
@@ -298,6 +300,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def _on_grad(self, unit: ShardedUnit, i: int) -> None:
         self._begin_backward()
+        if unit.params[i].grad is not None:
+            unit.open_grad(self.process_group, self.monitor)
         unit.take_grad(i, self._sync)
         if unit.pending == 0:
             if self._sync:
@@ -318,6 +322,7 @@ class FullyShardedDataParallel(nn.Module):
         if unit.reduce_launched or not unit.trainable:
             return
         unit.reduce_launched = True
+        unit.open_grad(self.process_group, self.monitor)
         unit.divide_missing()
         while len(self._reducing) >= MAX_REDUCING:
             self._settle(self._reducing[0])
