@@ -486,7 +486,11 @@ class FullyShardedDataParallel(nn.Module):
             unit.free()
 
     def close(self) -> None:
-        """Detach the hooks from the user's modules and stop background work (before the group is destroyed)."""
+        """Detach the hooks from the user's modules and stop background work (before the group is destroyed).
+
+        The parameters stay as they rest (their shapes, reading NaN): nothing is gathered, the model may not fit
+        whole. Take what is needed before: ``state_dict()`` (whole tensors) or a checkpoint (``Parallel.save``).
+        """
         for handle in self._handles:
             handle.remove()
         self._handles = []
