@@ -11,7 +11,8 @@ import torch
 
 from paratrain.errors import ConfigError
 from paratrain.tools import BenchConfig
-from paratrain.tools.bench import PHASES, plotting_available
+from paratrain.tools.bench import PHASES, BenchReport, ConfigTiming, plotting_available
+from paratrain.training.threads import available_cores
 from processes import run_cli
 
 GPU_DP = "dp:cuda:0,cuda:1"
@@ -39,6 +40,8 @@ def test_every_configuration_is_measured_against_single(bench_run):
     assert list(timings)[:2] == ["single", "dp:cpu,cpu"]  # single added as the baseline
     assert any("single was added" in note for note in report["notes"])
     assert timings["single"]["speedup"] == 1.0 and timings["single"]["efficiency"] == 1.0
+    assert isinstance(report["reliable"], bool) and report["machine"]["cores"] >= 1
+    assert timings["single"]["threads_per_process"] == 1 and "threads" in result.stdout
     assert timings["zero2:2"]["status"] == "OK" and timings["zero2:2"]["devices"] == 2
     for word in ("single", "dp:cpu,cpu"):
         t = timings[word]
@@ -109,3 +112,55 @@ def test_a_plot_without_matplotlib_is_a_usage_error_before_running(monkeypatch):
 def test_bad_settings(settings, message):
     with pytest.raises(ConfigError, match=message):
         BenchConfig(**settings).check()
+
+
+def test_each_configuration_computes_on_the_threads_train_would_give_it(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    report = importlib.import_module("paratrain.tools.bench").bench(
+        model="mlp",
+        width=8,
+        depth=1,
+        input_shape="6",
+        num_classes=3,
+        batch_size=8,
+        warmup=0,
+        steps=2,
+        repeats=1,
+        configs=["single", "dp:cpu,cpu"],
+    )
+    cores = available_cores()
+    assert report.timing("single").threads_per_process == cores
+    assert report.timing("dp:cpu,cpu").threads_per_process == max(1, cores // 2)  # the replicas share the cores
+    assert torch.get_num_threads() == before  # put back afterwards
+    machine = report.as_dict()["machine"]
+    assert machine["cores"] >= 1 and set(machine) == {"cores", "load_average_before", "load_average_after"}
+
+
+def _timing(config: str, devices: int, repeats: list[float], speedup: float) -> ConfigTiming:
+    step = sorted(repeats)[len(repeats) // 2]
+    timing = ConfigTiming(config, config.split(":")[0], devices, step_seconds=step, repeat_step_seconds=repeats)
+    timing.speedup, timing.efficiency = speedup, speedup / devices
+    timing.phase_seconds = dict.fromkeys(PHASES, step / 4)
+    timing.judge()
+    return timing
+
+
+def test_an_impossible_efficiency_or_a_moving_median_is_marked_unreliable_in_the_table_and_the_json():
+    believable = _timing("ddp:2", 2, [0.010, 0.011, 0.0105], 1.6)
+    superlinear = _timing("ddp:4", 4, [0.010, 0.0101, 0.0102], 10.12 * 2)
+    moving = _timing("zero1:2", 2, [0.010, 0.030, 0.012], 1.2)
+    assert believable.unreliable == []
+    assert superlinear.unreliable and "efficiency 506%" in superlinear.unreliable[0]
+    assert moving.unreliable and "moved by 167% between repeats" in moving.unreliable[0]
+    settings = {"repeats": 3, "steps": 5, "warmup": 1, "batch_size": 64}
+    machine = {"cores": 2, "load_average_before": 3.0, "load_average_after": 4.5}
+    report = BenchReport(settings, [believable, superlinear, moving], [], machine=machine)
+    text = report.render()
+    assert "506% unreliable" in text and "unreliable: ddp:4: efficiency 506%" in text
+    assert "(load average 4.5 on 2 cores)" in text and "80%" in text and "80% unreliable" not in text
+    data = report.as_dict()
+    assert data["reliable"] is False and data["ok"] is True  # nothing failed; the figures are not to be trusted
+    by_config = {c["config"]: c for c in data["configs"]}
+    assert by_config["ddp:2"]["unreliable"] == [] and by_config["zero1:2"]["unreliable"]
+    assert BenchReport(settings, [believable], [], machine=machine).reliable

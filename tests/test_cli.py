@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import subprocess
 
 import pytest
 
 from conftest import run_main
-from processes import CLI_TIMEOUT_S, start_cli
+from processes import CLI_TIMEOUT_S, cli_command, start_cli
 from processes import run_cli as _run
 
 
@@ -121,6 +124,27 @@ def test_a_closed_pipe_ends_the_command_quietly(args, lines):
     err = proc.stderr.read()
     assert proc.wait(timeout=CLI_TIMEOUT_S) == 141, err  # 128 + SIGPIPE, as a shell shows for `yes | head`
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("merged", [False, True], ids=["| head", "2>&1 | head"])
+def test_a_closed_pipe_ends_a_ddp_run_quietly_as_one_process(merged, tmp_path):
+    """`paratrain train --strategy ddp ... | head -3`: rank 0's reader goes away; the job ends as one process
+    would, with 141 and no line per rank (nor, with 2>&1, an exit code from failing to write those lines)."""
+    read, write = os.pipe()
+    fcntl.fcntl(read, fcntl.F_SETPIPE_SZ, 4096)  # smaller than the run's lines: rank 0 writes after the close
+    args = ("--strategy", "ddp", "--nproc-per-node", "2", "--model", "mlp", "--width", "16", "--depth", "1")
+    args += ("--epochs", "1", "--batch-size", "16", "--log-every", "1", "--no-tensorboard", "--no-plot")
+    stderr = subprocess.STDOUT if merged else subprocess.PIPE
+    proc = subprocess.Popen(cli_command("train", *args), stdout=write, stderr=stderr, cwd=tmp_path)
+    os.close(write)
+    with os.fdopen(read, "rb") as head:
+        lines = [head.readline() for _ in range(3)]
+    assert lines[0].startswith(b"Training mlp") and lines[2].startswith(b"Epoch 0, Step 1,"), lines
+    err = proc.communicate(timeout=CLI_TIMEOUT_S)[1]
+    assert proc.returncode == 141, err
+    if not merged:
+        assert b"rank 0" not in err and b"rank 1" not in err and b"Traceback" not in err, err
 
 
 @pytest.mark.processes

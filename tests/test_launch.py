@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -247,6 +248,25 @@ def test_a_failing_worker_is_one_line_with_its_error_and_the_job_exits_with_its_
     Path(report).unlink()
     # the wrapper runs as __main__ without `import paratrain` having loaded it first (runpy's RuntimeWarning)
     assert "RuntimeWarning" not in done.stderr, done.stderr
+
+
+@pytest.mark.processes
+def test_a_master_port_another_program_holds_is_one_usage_line(tmp_path: Path) -> None:
+    """A second job on the first one's --master-port: one line naming the port and what to pass, exit 2."""
+    script = tmp_path / "tiny.py"
+    script.write_text("print('ran')\n")
+    with socket.socket() as holder:  # what the first job's store would be
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        command = [*_launch_command(), "--master-port", str(port), str(script)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr  # a usage error: the command line named a port in use
+    assert done.stderr.splitlines() == [
+        f"paratrain launch: error: --master-port {port}: port {port} on 127.0.0.1 is in use by another program "
+        "(another job?); give another --master-port, or leave it out (a free one is then chosen)"
+    ], done.stderr
+    assert "ran" not in done.stdout
 
 
 @pytest.mark.processes

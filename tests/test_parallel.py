@@ -296,6 +296,12 @@ def test_the_global_batch_note_gives_the_shares_and_the_batch_to_give():
     )
     no_size = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
     assert "each batch the loader yields is the global batch, cut into 2 shares" in global_batch_note(no_size, 2)
+    # fewer samples than processes: some only wait, which the note says
+    assert global_batch_note(DataLoader(data, batch_size=4), 6) == (
+        "batch 4 is the global batch: 0 or 1 per process on 6 processes; for 4 per process give 24 (warning: global "
+        "batch 4 on 6 processes: 2 of them get no samples each step (they only wait for the others), and the batch "
+        "keeps at most 4 processes busy)"
+    )
 
 
 @pytest.mark.processes

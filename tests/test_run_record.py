@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import tomllib
@@ -30,10 +32,26 @@ def test_a_run_records_its_settings_and_environment_beside_every_output(capsys, 
     for directory in (logs, checkpoints):
         saved = tomllib.loads((directory / RECORD_TOML).read_text())
         assert saved["lr"] == 0.05 and saved["log-dir"] == str(logs)
-        assert TrainConfig.from_file(directory / RECORD_TOML) == TrainConfig.from_dict(result["config"])
+        # the run's settings: this invocation's --max-steps is its own limit, kept in the JSON record only
+        assert TrainConfig.from_file(directory / RECORD_TOML) == replace(
+            TrainConfig.from_dict(result["config"]), max_steps=None
+        )
+        assert "max-steps" not in saved
         (invocation,) = json.loads((directory / RECORD_JSON).read_text())["invocations"]
         assert invocation["environment"] == env and invocation["resumed_from"] is None
-    assert "# repeat it: paratrain train --config paratrain-run.toml" in (logs / RECORD_TOML).read_text()
+    header = (logs / RECORD_TOML).read_text().splitlines()
+    assert header[1] == (
+        "# repeat it: paratrain train --config paratrain-run.toml --max-steps 3  "
+        "(this invocation's limit, not the run's)"
+    )
+    assert header[2] == "# continue it: paratrain train --config paratrain-run.toml --resume"
+
+
+def _repeat_command(record: Path) -> list[str]:
+    """The header's "repeat it" command, as arguments after ``paratrain``."""
+    line = next(line for line in record.read_text().splitlines() if line.startswith("# repeat it: paratrain "))
+    command = line.removeprefix("# repeat it: paratrain ").split("  (")[0].split()
+    return [str(record) if arg == RECORD_TOML else arg for arg in command]
 
 
 def test_the_saved_file_repeats_the_run_to_the_same_fingerprint(capsys, tmp_path):
@@ -44,7 +62,7 @@ def test_the_saved_file_repeats_the_run_to_the_same_fingerprint(capsys, tmp_path
     assert code == 0, err
     saved = tmp_path / "a" / RECORD_TOML
     code, _, err = run_main(
-        capsys, "train", "--config", str(saved), "--log-dir", str(tmp_path / "b"), "--metrics-out", str(again)
+        capsys, *_repeat_command(saved), "--log-dir", str(tmp_path / "b"), "--metrics-out", str(again)
     )
     assert code == 0, err
     a, b = json.loads(first.read_text()), json.loads(again.read_text())
@@ -71,6 +89,28 @@ def test_a_resumed_run_records_its_resume(capsys, tmp_path):
     assert "resumed from" in (checkpoints / RECORD_TOML).read_text().splitlines()[0]
 
 
+def test_resuming_from_the_record_continues_the_whole_run(capsys, tmp_path):
+    """`paratrain train --config DIR/paratrain-run.toml --resume` after a smoke run (--max-steps 14 of 3 epochs of
+    12 steps): it trains to the run's end, not 14 steps more, and its metrics hold every epoch of the run, as the
+    uninterrupted run's do."""
+    common = ("--epochs", "3", "--batch-size", "128", "--model", "mlp", "--width", "16", "--depth", "1", "--quiet")
+    common += ("--no-plot", "--no-tensorboard")
+    checkpoints, resumed, full = tmp_path / "ckpt", tmp_path / "resumed.json", tmp_path / "full.json"
+    code, _, err = run_main(capsys, "train", *common, "--checkpoint-dir", str(checkpoints), "--max-steps", "14")
+    assert code == 0, err
+    record = checkpoints / RECORD_TOML
+    code, _, err = run_main(capsys, "train", "--config", str(record), "--resume", "--metrics-out", str(resumed))
+    assert code == 0, err
+    code, _, err = run_main(capsys, "train", *common, "--metrics-out", str(full))
+    assert code == 0, err
+    after, whole = json.loads(resumed.read_text()), json.loads(full.read_text())
+    assert (after["start_step"], after["steps"], whole["steps"]) == (14, 36 - 14, 36)
+    assert after["model_fingerprint"] == whole["model_fingerprint"]
+    assert after["epoch_losses"] == whole["epoch_losses"] and len(whole["epoch_losses"]) == 3
+    assert after["epoch_test_accuracy"] == whole["epoch_test_accuracy"]
+    assert "max-steps" not in tomllib.loads(record.read_text())  # the resumed invocation's record, too
+
+
 @pytest.mark.processes
 def test_a_ddp_run_records_its_processes_and_repeats_with_them(tmp_path):
     first, again = tmp_path / "first.json", tmp_path / "again.json"
@@ -80,7 +120,7 @@ def test_a_ddp_run_records_its_processes_and_repeats_with_them(tmp_path):
     saved = tmp_path / "a" / RECORD_TOML
     text = saved.read_text()
     assert "# ddp on cpu, cpu (world size 2, backend gloo)" in text and "nproc-per-node = 2" in text
-    result = run_cli("train", "--config", str(saved), "--log-dir", str(tmp_path / "b"), "--metrics-out", str(again))
+    result = run_cli(*_repeat_command(saved), "--log-dir", str(tmp_path / "b"), "--metrics-out", str(again))
     assert result.returncode == 0, result.stderr
     a, b = json.loads(first.read_text()), json.loads(again.read_text())
     assert b["world_size"] == 2 and b["environment"]["backend"] == "gloo"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import paratrain.checkpoint.sharded as shard_checkpoint
+from conftest import run_main
 from paratrain.checkpoint.file import latest_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints
 from paratrain.checkpoint.sharded import (
     LocalSlices,
@@ -27,7 +28,7 @@ from paratrain.checkpoint.sharded import (
     save_sharded,
 )
 from paratrain.ddp.buckets import Bucket
-from paratrain.errors import CheckpointError
+from paratrain.errors import CheckpointError, ConfigError
 from paratrain.sharded.partition import shard_bucket
 
 SHAPES = {"w": (5, 7), "b": (7,), "v": (3, 3, 2)}  # one bucket: w, b, v back to back
@@ -250,5 +251,45 @@ def test_consolidate_writes_the_state_one_process_saves(tmp_path):
     )
     consolidate(path, tmp_path / "all.pt", everything=True)
     assert _equal(torch.load(tmp_path / "all.pt", weights_only=True), whole)
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(ConfigError, match=r"no checkpoint at .*missing: nothing is there"):
         consolidate(tmp_path / "missing", tmp_path / "x.pt")
+
+
+def test_consolidate_takes_the_checkpoint_as_it_was_saved_or_trained_into(tmp_path, monkeypatch, capsys):
+    """`paratrain checkpoint consolidate ckpt/zero2-final.pt` after par.save(..., "ckpt/zero2-final.pt") wrote the
+    directory ckpt/zero2-final/; a run's --checkpoint-dir gives its latest checkpoint, as --resume takes it."""
+    monkeypatch.chdir(tmp_path)
+    whole = _whole()
+    _save_as(3, Path("ckpt"), "zero2-final", whole)
+    for step in (5, 10):
+        _save_as(2, Path("run"), f"epoch-0000-step-{step:06d}", {**whole, "epoch": step})
+    code, out, err = run_main(capsys, "checkpoint", "consolidate", "ckpt/zero2-final.pt", "model.pt")
+    assert code == 0 and err.splitlines() == [
+        "paratrain checkpoint consolidate: ckpt/zero2-final.pt is the name the sharded checkpoint ckpt/zero2-final/ "
+        "was saved under (a sharded save writes a directory, without .pt): reading it"
+    ], err
+    assert _equal(torch.load("model.pt", weights_only=True), whole["model"])
+    assert out == "wrote model.pt: the model state dict, 4 tensors, 64 elements\n"  # w 5x7, b 7, v 3x3x2, 4
+
+    code, out, err = run_main(capsys, "checkpoint", "consolidate", "run", "all.pt", "--all")
+    latest = Path("run", "epoch-0000-step-000010")
+    assert code == 0 and err == (
+        f"paratrain checkpoint consolidate: run is a run's checkpoint directory: reading its latest checkpoint, "
+        f"{latest}\n"
+    )
+    assert torch.load("all.pt", weights_only=True)["epoch"] == 10
+    # every tensor, nested ones too: 4 in the model, a step and an exp_avg per parameter, the torch RNG state
+    tensors = 4 + 2 * len(SHAPES) + 1
+    elements = 64 + len(SHAPES) + sum(torch.Size(s).numel() for s in SHAPES.values()) + 10
+    assert (
+        out
+        == f"wrote all.pt: the training state (model, optimizer, epoch, rng), {tensors} tensors, {elements} elements\n"
+    )
+
+    # naming nothing is a usage error (2), saying what it takes; a directory of other things names what it holds
+    code, _, err = run_main(capsys, "checkpoint", "consolidate", "missing.pt", "x.pt")
+    assert code == 2 and err.startswith("paratrain checkpoint: error: no checkpoint at missing.pt: nothing is there;")
+    assert "latest_checkpoint(" not in err
+    code, _, err = run_main(capsys, "checkpoint", "consolidate", "ckpt", "x.pt")
+    assert code == 2 and err.rstrip().endswith("it holds zero2-final/: give one"), err
+    assert not Path("x.pt").exists()

@@ -187,3 +187,19 @@ def test_what_the_zero_wrapper_refuses(group):
         ZeroDataParallel(_model(), 3)
     with pytest.raises(ConfigError, match="does not train"):
         shard_optimizer(torch.optim.SGD(_model().parameters(), lr=0.1), wrapped)
+
+
+def test_zero2_buckets_without_a_buffer_hold_an_empty_one_of_their_own_dtype_and_device(group):
+    """Between backwards a zero2 bucket has no buffer: what stands in is its own, of its dtype and device."""
+    wrappers = [ZeroDataParallel(_model().double(), 2, bucket_cap_mb=8 / 1024, timeout=30) for _ in range(2)]
+    x, y = _batches(1)[0]
+    F.cross_entropy(wrappers[0](x.double()), y).backward()  # buffers taken and given back
+    seen: set[int] = set()
+    for wrapped in wrappers:
+        reducer = wrapped.reducer
+        for bucket, buffer in zip(reducer.buckets, reducer.buffers, strict=True):
+            assert buffer.numel() == 0
+            assert (buffer.dtype, buffer.device) == (bucket.dtype, bucket.device) == (torch.float64, wrapped.device)
+            assert all(reducer.views[i] is buffer for i in bucket.indices)
+            assert id(buffer) not in seen  # no tensor shared with another bucket or another wrapper
+            seen.add(id(buffer))

@@ -87,4 +87,4 @@ def test_log_with_needs_a_log_dir_and_a_known_tracker(capsys):
     code, _, err = run_main(capsys, "train", *TINY, "--log-with", "mlflow")
     assert code == 2 and "add --log-dir DIR" in err
     code, _, err = run_main(capsys, "train", *TINY, "--log-dir", "x", "--log-with", "neptune")
-    assert code == 2 and "--log-with must be some of: mlflow, wandb; found ['neptune']" in err
+    assert code == 2 and "--log-with must be some of: csv, tensorboard, mlflow, wandb; found ['neptune']" in err

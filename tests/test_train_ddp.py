@@ -216,3 +216,28 @@ def test_a_ddp_checkpoint_resumes_on_any_number_of_devices(
     mine = load_checkpoint(latest_checkpoint(after))["model"]
     for key in params:
         torch.testing.assert_close(mine[key], params[key], atol=3e-8, rtol=0)
+
+
+def test_more_processes_than_samples_per_step_train_like_one_and_say_so_once(tmp_path):
+    """Three processes with a global batch of 2: the third gets no samples each step. The run trains as one device
+    does, and says so in one line at the start."""
+    settings = {"epochs": 1, "model": "mlp", "width": 16, "depth": 1, "batch_size": 2, "max_steps": 2}
+    train(TrainConfig(quiet=True, checkpoint_dir=str(tmp_path / "one"), **settings))
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+    out, ckpt = tmp_path / "m.json", tmp_path / "three"
+    args = ("--strategy", "ddp", "--nproc-per-node", "3", "--checkpoint-dir", str(ckpt), "--metrics-out", str(out))
+    done = run_cli("train", "--quiet", *flags, *args, env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    warning = (
+        "paratrain train: warning: global batch 2 on 3 processes: 1 of them get no samples each step (they only wait "
+        "for the others), and the batch keeps at most 2 processes busy: give --batch-size 3 or more, or start at most "
+        "2 processes"
+    )
+    assert done.stderr.splitlines().count(warning) == 1, done.stderr
+    metrics = _metrics(out)
+    assert (metrics["world_size"], metrics["steps"], metrics["samples"]) == (3, 2, 4)
+    one = load_checkpoint(latest_checkpoint(tmp_path / "one"))["model"]
+    three = load_checkpoint(latest_checkpoint(ckpt))["model"]
+    assert list(three) == list(one)
+    for key in one:
+        torch.testing.assert_close(three[key], one[key], atol=1e-6, rtol=0)

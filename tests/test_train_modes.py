@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -17,7 +18,7 @@ from paratrain.parallel import seed_everything
 from paratrain.training import TrainConfig, train
 from paratrain.training.logs import read_metrics
 from paratrain.training.models import build_model
-from processes import finish, start_cli
+from processes import finish, run_cli, start_cli
 
 # a small job: 100 samples in global batches of 30, 30, 30 and 10, which every --accumulate below cuts unevenly
 SMALL = {"dataset": "random", "model": "mlp", "width": 32, "depth": 1, "batch_size": 30, "lr": 0.1, "quiet": True}
@@ -186,21 +187,78 @@ def _has(package: str) -> bool:
 @pytest.mark.parametrize(
     "missing, flags, message",
     [
-        ("tensorboard", [], "need the tensorboard package, not importable here: pip install 'paratrain[tensorboard]'"),
+        (
+            "tensorboard",
+            ["--tensorboard"],
+            "need the tensorboard package, not importable here: pip install 'paratrain[tensorboard]'",
+        ),
+        (
+            "tensorboard",
+            ["--log-with", "tensorboard"],
+            "--log-with tensorboard asks for TensorBoard event files, which need the tensorboard package",
+        ),
         (
             "matplotlib",
-            ["--no-tensorboard"],
+            ["--no-tensorboard", "--plot"],
             "need the matplotlib package, not importable here: pip install 'paratrain[plot]'",
         ),
     ],
 )
-def test_a_missing_extra_is_a_usage_error_before_training(monkeypatch, capsys, tmp_path, missing, flags, message):
+def test_a_missing_extra_asked_for_is_a_usage_error_before_training(
+    monkeypatch, capsys, tmp_path, missing, flags, message
+):
     monkeypatch.setitem(sys.modules, missing, None)  # what an environment without the package looks like
     code = main(["train", "--quiet", "--log-dir", str(tmp_path / "logs"), *flags])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
     assert "(in a clone of paratrain: pip install -e '.[" in err  # for those who installed from a clone
     assert not (tmp_path / "logs").exists()  # nothing started
+
+
+# what a Python without TensorBoard and matplotlib imports: None in sys.modules, so that find_spec finds nothing and
+# an import fails, whatever this environment has installed
+_WITHOUT_EXTRAS = "import sys\nfor name in ('tensorboard', 'matplotlib'):\n    sys.modules[name] = None\n"
+
+
+@pytest.mark.processes
+def test_log_dir_without_the_extras_writes_the_csv_and_says_once_what_they_add(tmp_path):
+    """`paratrain train --log-dir runs/x` where neither extra is installed: metrics.csv, and one line."""
+    blocker = tmp_path / "site"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(_WITHOUT_EXTRAS)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))}
+    args = ("train", "--epochs", "1", "--max-steps", "2", "--quiet", "--log-every", "1", *SMALL_ARGS)
+    done = run_cli(*args, "--log-dir", "runs/x", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "paratrain train: note: --log-dir runs/x gets metrics.csv only: pip install 'paratrain[tensorboard,plot]' "
+        "(in a clone of paratrain: pip install -e '.[tensorboard,plot]') adds TensorBoard event files and curves.png "
+        "(--no-tensorboard --no-plot: no note)"
+    ]
+    logs = tmp_path / "runs" / "x"
+    assert sorted(p.name for p in logs.iterdir()) == ["metrics.csv", "paratrain-run.json", "paratrain-run.toml"]
+    assert [int(r["step"]) for r in read_metrics(logs / "metrics.csv") if r["name"] == "train/loss"] == [0, 1]
+
+
+def test_log_with_csv_and_tensorboard_are_what_log_dir_writes(monkeypatch, capsys, tmp_path):
+    """The Accelerate habit: --log-with csv (tensorboard) names --log-dir's own files; without --log-dir it is one
+    usage line, since there is no default directory to write into."""
+    for package in ("tensorboard", "matplotlib"):
+        monkeypatch.setitem(sys.modules, package, None)
+    logs = tmp_path / "logs"
+    code = main(["train", "--quiet", "--max-steps", "1", *SMALL_ARGS, "--log-dir", str(logs), "--log-with", "csv"])
+    assert code == 0 and "gets metrics.csv only" in capsys.readouterr().err
+    assert (logs / "metrics.csv").is_file()
+    assert main(["train", "--quiet", "--log-with", "csv"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "paratrain train: error: --log-with csv writes into --log-dir, which has no default: add --log-dir DIR "
+        "(runs/a, say)\n"
+    )
+    assert main(["train", "--log-dir", str(logs), "--log-with", "tensorboard", "--no-tensorboard"]) == 2
+    assert (
+        "--log-with tensorboard asks for TensorBoard event files, --no-tensorboard for none" in capsys.readouterr().err
+    )
 
 
 def test_without_extras_the_csv_is_still_written(monkeypatch, tmp_path):

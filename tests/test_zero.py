@@ -39,6 +39,23 @@ def test_two_ranks_train_bit_for_bit_as_ddp(two, config):
         assert r["single_rel"] < (0.1 if "bf16" in config else 1e-3)
 
 
+def test_gradients_add_up_across_synchronised_backwards_as_under_ddp(two):
+    """backward(); backward(); step(), every backward reducing: zero2 adds as DDP's .grad does, bit for bit."""
+    for rank in two:
+        found = rank["accumulation"]
+        for optimizer in ("sgd", "adamw"):
+            for set_to_none in (True, False):
+                r = found[f"{optimizer}, zero_grad(set_to_none={set_to_none})"]
+                assert r["adds_up"]  # ddp's step differs from one on the last micro-batch only: there is a sum
+                assert r["zero1_bitwise"] and r["zero2_bitwise"], r
+                assert r["zero2_whole_grads_held"] == [False] * 3  # after each step only this rank's part is kept
+        assert found["adamw, a backward inside no_sync between two synchronised ones"]["zero2_bitwise"]
+        between = found["adamw, zero_grad between the first forward and its backward"]
+        assert between["zero2_bitwise"]
+        # zero_grad after the forward: the kept parts are not gathered back for nothing
+        assert between["zero2_collectives"] == found["adamw, zero_grad(set_to_none=True)"]["zero2_collectives"]
+
+
 def test_the_optimizer_state_is_sharded(two):
     for rank in two:
         for config, r in rank["exactness"].items():

@@ -6,16 +6,19 @@ compared bit for bit, and one device on the whole batches within rounding.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 import paratrain
 from paratrain.checkpoint.sharded import is_sharded_checkpoint
+from paratrain.comm.process_groups import group_sequence
 from paratrain.errors import CollectiveError, ConfigError
 from paratrain.sharded.optimizer import ShardedOptimizer
 from paratrain.sharded.reducer import ShardedReducer
@@ -110,10 +113,6 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
-
-
 def _initial() -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model().parameters()])
 
@@ -136,6 +135,78 @@ def exactness(rank: int, world: int, names: tuple[str, ...] = tuple(CONFIGS), si
             entry[f"{strategy}_state"] = run["state_numel"]
             entry[f"{strategy}_lr"] = run["lr"] == ddp["lr"]
         found[name] = entry
+    return found
+
+
+def accumulate_across_backwards(
+    strategy: str,
+    optimizer: str,
+    set_to_none: bool,
+    *,
+    pattern: tuple[str, ...] = ("sync", "sync"),
+    zero_grad_after_first_forward: bool = False,
+    last_only: bool = False,
+) -> dict[str, Any]:
+    """A step after every ``pattern`` of backwards ("sync", or "local" inside no_sync): the gradients add up.
+
+    ``zero_grad_after_first_forward``: clear the gradients between a step's first forward and its backward instead
+    of after the step; ``last_only``: before every backward, so each step sees its last micro-batch only.
+    """
+    with paratrain.Parallel(strategy, "cpu") as par:
+        net = model()
+        opt = optimizer_for(optimizer, net)
+        net, opt, loader = par.prepare(net, opt, batches(STEPS * len(pattern)))
+        after, whole_grads_held, collectives = [], [], []
+        started = group_sequence(dist.group.WORLD)
+        for i, (x, y) in enumerate(loader):
+            kind = pattern[i % len(pattern)]
+            with par.no_sync(net) if kind == "local" else contextlib.nullcontext():
+                loss = F.cross_entropy(net(x), y)
+                if last_only or (zero_grad_after_first_forward and i % len(pattern) == 0):
+                    opt.zero_grad(set_to_none=set_to_none)
+                par.backward(loss)
+            if i % len(pattern) == len(pattern) - 1:
+                opt.step()
+                if not zero_grad_after_first_forward:
+                    opt.zero_grad(set_to_none=set_to_none)
+                after.append(flat_params(par, net))
+                whole_grads_held.append(any(p.grad is not None for p in par.unwrap(net).parameters()))
+                collectives.append(group_sequence(dist.group.WORLD) - started)
+                started = group_sequence(dist.group.WORLD)
+        return {"after": after, "whole_grads_held": whole_grads_held, "collectives": collectives}
+
+
+def _against_ddp(entry: dict[str, Any], runs: dict[str, dict[str, Any]], prefix: str = "") -> None:
+    for strategy, run in runs.items():
+        if strategy != "ddp":
+            pairs = list(zip(run["after"], runs["ddp"]["after"], strict=True))
+            entry[f"{prefix}{strategy}_bitwise"] = all(torch.equal(a, b) for a, b in pairs)
+            entry[f"{prefix}{strategy}_max_diff"] = max(float((a - b).abs().max()) for a, b in pairs)
+
+
+def accumulation(rank: int, world: int) -> dict[str, Any]:
+    """Several synchronised backwards per step, under ddp (the oracle: .grad adds up), zero1 and zero2."""
+    found: dict[str, Any] = {}
+    for optimizer in ("sgd", "adamw"):
+        for set_to_none in (True, False):
+            runs = {s: accumulate_across_backwards(s, optimizer, set_to_none) for s in ("ddp", "zero1", "zero2")}
+            last_only = accumulate_across_backwards("ddp", optimizer, set_to_none, last_only=True)
+            entry: dict[str, Any] = {"adds_up": not torch.equal(runs["ddp"]["after"][-1], last_only["after"][-1])}
+            _against_ddp(entry, runs)
+            entry["zero2_whole_grads_held"] = runs["zero2"]["whole_grads_held"]
+            entry["zero2_collectives"] = runs["zero2"]["collectives"]
+            found[f"{optimizer}, zero_grad(set_to_none={set_to_none})"] = entry
+    mixed = ("sync", "local", "sync")
+    runs = {s: accumulate_across_backwards(s, "adamw", True, pattern=mixed) for s in ("ddp", "zero2")}
+    entry = {}
+    _against_ddp(entry, runs)
+    found["adamw, a backward inside no_sync between two synchronised ones"] = entry
+    runs = {
+        s: accumulate_across_backwards(s, "adamw", True, zero_grad_after_first_forward=True) for s in ("ddp", "zero2")
+    }
+    entry = {"zero2_collectives": runs["zero2"]["collectives"]}
+    _against_ddp(entry, runs)
+    found["adamw, zero_grad between the first forward and its backward"] = entry
     return found
 
 
@@ -302,6 +373,7 @@ def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
     return {
         "exactness": exactness(rank, world),
         "optimizer_surface": optimizer_surface(rank, world),
+        "accumulation": accumulation(rank, world),
         "gradients_and_overflow": gradients_and_overflow(rank, world),
         "checkpoints": checkpoints(rank, world, directory),
     }

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from paratrain.errors import ConfigError
 from paratrain.settings import Settings, setting
 
-__all__ = ["EXIT_RENDEZVOUS_FAILED", "LaunchConfig", "local_world_size", "parse_endpoint"]
+__all__ = ["EXIT_PORT_TAKEN", "EXIT_RENDEZVOUS_FAILED", "LaunchConfig", "local_world_size", "parse_endpoint"]
 
 EXIT_RENDEZVOUS_FAILED = 75  # paratrain.launch.torchrun's exit when the nodes never met; launch() names the endpoint
+EXIT_PORT_TAKEN = 76  # paratrain.launch.torchrun's exit when node 0's --master-port is in use; launch() says so
 
 
 @dataclass(frozen=True)

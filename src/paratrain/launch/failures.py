@@ -21,8 +21,10 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["exit_code_of", "record_error", "summary_lines"]
+__all__ = ["EXIT_OUTPUT_CLOSED", "exit_code_of", "output_closed", "record_error", "summary_lines"]
 
+EXIT_OUTPUT_CLOSED = 128 + signal.SIGPIPE.value  # 141: a Unix tool whose output's reader went away
+_STOPPED = (-signal.SIGTERM, -signal.SIGKILL)  # how torchrun stops the other workers after a failure
 _NO_RECORD = "To enable traceback see"  # what torchrun's table says for a rank that recorded nothing
 
 
@@ -58,6 +60,18 @@ def _ended(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
+def output_closed(failures: dict[int, Any], first: int) -> bool:
+    """True when the job failed only because its output's reader went away (``paratrain train ... | head``):
+    the first failed rank ended as a closed pipe ends a process (exit 141, or killed by SIGPIPE), and every other
+    failed rank did too or was stopped by the launcher afterwards."""
+
+    def closed(exitcode: int) -> bool:
+        return exit_code_of(exitcode) == EXIT_OUTPUT_CLOSED
+
+    others = (failure.exitcode for rank, failure in failures.items() if rank != first)
+    return closed(failures[first].exitcode) and all(closed(code) or code in _STOPPED for code in others)
+
+
 def summary_lines(failures: dict[int, Any], first: int) -> list[str]:
     """One line per failed rank, the first failure (``first``) first; ``failures`` maps each global rank to
     torchrun's ``ProcessFailure`` (``exitcode``, ``message``, ``timestamp``)."""
@@ -67,7 +81,7 @@ def summary_lines(failures: dict[int, Any], first: int) -> list[str]:
         if rank == first:
             continue
         failure = failures[rank]
-        if failure.exitcode in (-signal.SIGTERM, -signal.SIGKILL):  # torchrun stops the others after a failure
+        if failure.exitcode in _STOPPED:
             lines.append(f"rank {rank} was stopped by the launcher after rank {first} failed")
         else:
             lines.append(f"rank {rank} {_ended(failure.exitcode)}: {_last_line(failure.message)}")

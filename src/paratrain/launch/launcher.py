@@ -42,7 +42,13 @@ from collections.abc import Sequence
 
 from paratrain.diagnostics.flight_recorder import small_buffer_unless_set
 from paratrain.errors import ConfigError, DistributedError
-from paratrain.launch.config import EXIT_RENDEZVOUS_FAILED, LaunchConfig, local_world_size, parse_endpoint
+from paratrain.launch.config import (
+    EXIT_PORT_TAKEN,
+    EXIT_RENDEZVOUS_FAILED,
+    LaunchConfig,
+    local_world_size,
+    parse_endpoint,
+)
 from paratrain.launch.supervise import supervise
 
 __all__ = ["LaunchConfig", "launch", "local_world_size", "torchrun_args"]
@@ -184,7 +190,8 @@ def launch(
         name: the command the report lines name (``paratrain train`` for its ranks).
 
     Raises:
-        ConfigError: for invalid settings or a script file that does not exist.
+        ConfigError: for invalid settings, a script file that does not exist, or a port node 0 cannot listen on
+            because another program holds it (before any worker started).
         DistributedError: when the job ran past ``timeout`` (it is stopped first).
     """
     torchrun_args(config, script, script_args, module=module)  # checked as given, then run through the recorder
@@ -207,7 +214,28 @@ def launch(
         ) from None
     if code == EXIT_RENDEZVOUS_FAILED:
         raise DistributedError(_rendezvous_failed(config))
+    if code == EXIT_PORT_TAKEN:
+        raise ConfigError(_port_taken(config))
     return code
+
+
+def _port_taken(config: LaunchConfig) -> str:
+    """Node 0 could not listen on its port: which one, and what to pass instead."""
+    if config.rdzv_endpoint is not None:
+        host, port = parse_endpoint(config.rdzv_endpoint, allow_zero_port=config.is_single_node)
+        return (
+            f"--rdzv-endpoint {config.rdzv_endpoint}: port {port} on {host} is in use by another program (another "
+            f"job?); give another port, the same on every machine"
+        )
+    instead = (
+        "give another --master-port, or leave it out (a free one is then chosen)"
+        if config.is_single_node
+        else "give another --master-port, the same on every machine"
+    )
+    return (
+        f"--master-port {config.master_port}: port {config.master_port} on {config.master_addr or '127.0.0.1'} is "
+        f"in use by another program (another job?); {instead}"
+    )
 
 
 def _rendezvous_failed(config: LaunchConfig) -> str:

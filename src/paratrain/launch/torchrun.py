@@ -25,14 +25,18 @@ It also reports the job's end in a few lines (``--name`` is the command they nam
 file instead of the terminal; a failed job prints one line per failed rank, with the rank's exit code or signal
 and its error's last line (:mod:`paratrain.launch.failures`), names that file, and exits with the first failed rank's
 code, instead of torchrun's ``ChildFailedError`` traceback; a job stopped by a signal (Ctrl-C) exits with
-128 + the signal's number, quietly, since its workers said where they stopped. The file is removed when the job
-succeeds.
+128 + the signal's number, quietly, since its workers said where they stopped. A job whose output's reader went
+away (``paratrain train ... | head``: the rank that printed exited 141, the others were stopped) ends quietly
+with 141 too, as one process would. A port node 0 cannot listen on because another program holds it ends with
+``EXIT_PORT_TAKEN`` and no traceback (``launch()`` says which port, and what to pass). The file is removed when the
+job succeeds, or ended as one of these.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -45,8 +49,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paratrain.launch.config import EXIT_RENDEZVOUS_FAILED
-from paratrain.launch.failures import exit_code_of, summary_lines
+from paratrain.launch.config import EXIT_PORT_TAKEN, EXIT_RENDEZVOUS_FAILED
+from paratrain.launch.failures import EXIT_OUTPUT_CLOSED, exit_code_of, output_closed, summary_lines
 
 # after Ctrl-C the workers stop after a step they agree on and save a checkpoint, which a loaded machine or a big
 # model makes slow: they get this long at least (a second Ctrl-C ends them at once)
@@ -124,7 +128,8 @@ def _bound_stores(address: str) -> None:
                 except OSError as exc:
                     sock.close()
                     # the rendezvous falls back to being a client on RuntimeError, as when torch's own bind fails
-                    raise RuntimeError(f"cannot listen on {address}:{port}: {exc}") from exc
+                    kind = _PortTaken if exc.errno == errno.EADDRINUSE else RuntimeError
+                    raise kind(f"cannot listen on {address}:{port}: {exc}") from exc
                 port = sock.getsockname()[1]
                 kwargs["master_listen_fd"] = sock.detach()  # the store owns the descriptor from here on
             super().__init__(host_name, port, *args, **kwargs)
@@ -139,6 +144,15 @@ def _bound_stores(address: str) -> None:
             continue
         if getattr(module, "TCPStore", None) is base:
             setattr(module, "TCPStore", BoundTCPStore)  # noqa: B010  (the name is looked up there at call time)
+
+
+class _PortTaken(RuntimeError):
+    """The store's port is in use by another program (a RuntimeError, as torch's own failed bind is)."""
+
+
+def _port_taken(exc: BaseException) -> bool:
+    """True for a store server that could not listen because another program holds its port (ours, or torch's)."""
+    return isinstance(exc, _PortTaken) or "EADDRINUSE" in str(exc)
 
 
 def _log_to_file(name: str) -> str:
@@ -198,28 +212,47 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         torchrun_main()
     except _rendezvous_failures() as exc:
+        if _port_taken(exc):  # another program listens on node 0's port: launch() names it, in one line
+            _remove(log_path)
+            sys.exit(EXIT_PORT_TAKEN)
         # the nodes never met: launch() says where and for how long they waited; torch's own trace is in the log
         _append(log_path, traceback.format_exc())
-        print(
+        _say(
             f"paratrain.launch.torchrun: the rendezvous failed: {type(exc).__name__}: {exc} "
-            f"(torchrun's log: {log_path})",
-            file=sys.stderr,
+            f"(torchrun's log: {log_path})"
         )
         sys.exit(EXIT_RENDEZVOUS_FAILED)
     except ChildFailedError as exc:
-        _append(log_path, traceback.format_exc())
         first, root = exc.get_first_failure()
+        if output_closed(exc.failures, first):  # `... | head`: the reader has what it wanted; nothing failed
+            _remove(log_path)
+            sys.exit(EXIT_OUTPUT_CLOSED)
+        _append(log_path, traceback.format_exc())
         for line in summary_lines(exc.failures, first):
-            print(f"{options.name}: {line}", file=sys.stderr)
-        print(f"{options.name}: torchrun's full report: {log_path}", file=sys.stderr, flush=True)
+            _say(f"{options.name}: {line}")
+        _say(f"{options.name}: torchrun's full report: {log_path}")
         sys.exit(exit_code_of(root.exitcode) or 1)
     except SignalException as exc:
         # torchrun stopped its workers on a signal (the launcher forwarded Ctrl-C): they said where they stopped
         _append(log_path, traceback.format_exc())
         sigval = exc.sigval
         sys.exit(128 + (sigval.value if isinstance(sigval, signal.Signals) else signal.SIGINT.value))
+    _remove(log_path)  # the job succeeded: nothing to look for
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr; nothing when stderr's reader went away (``2>&1 | head``), which leaves the exit code
+    the job's."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (BrokenPipeError, ValueError):
+        with contextlib.suppress(OSError, ValueError):  # the interpreter's own flush at exit would fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+
+def _remove(path: str) -> None:
     with contextlib.suppress(OSError):
-        os.unlink(log_path)  # the job succeeded: nothing to look for
+        os.unlink(path)
 
 
 def _append(path: str, text: str) -> None:
@@ -228,10 +261,11 @@ def _append(path: str, text: str) -> None:
 
 
 def _rendezvous_failures() -> tuple[type[BaseException], ...]:
+    """What a failed rendezvous raises: the nodes never met, or (``_PortTaken``) node 0 could not listen."""
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    return (RendezvousError, dist.DistNetworkError, dist.DistStoreError)
+    return (RendezvousError, dist.DistNetworkError, dist.DistStoreError, _PortTaken)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,23 @@ class Recording:
         return any(t is m for t in tensors for m in mine if m is not None)
 
 
+def idle_processes(batch_size: int, processes: int) -> str | None:
+    """What a global batch smaller than the number of processes means, in a sentence; None when every process
+    gets samples.
+
+    idle_processes(4, 6)
+    # 'global batch 4 on 6 processes: 2 of them get no samples each step (they only wait for the others), and
+    #  the batch keeps at most 4 processes busy'
+    """
+    if batch_size >= processes:
+        return None
+    idle = processes - batch_size
+    return (
+        f"global batch {batch_size} on {processes} processes: {idle} of them get no samples each step (they only "
+        f"wait for the others), and the batch keeps at most {batch_size} process{'es' * (batch_size != 1)} busy"
+    )
+
+
 def global_batch_note(loader: Iterable[Any], processes: int) -> str:
     """What ``prepare`` says about a loader's batch under ``processes`` processes: it is the global batch.
 
@@ -144,9 +161,10 @@ def global_batch_note(loader: Iterable[Any], processes: int) -> str:
         )
     low, high = size // processes, -(-size // processes)
     share = f"{low}" if low == high else f"{low} or {high}"
+    idle = idle_processes(size, processes)
     return (
         f"batch {size} is the global batch: {share} per process on {processes} processes; for {size} per process "
-        f"give {size * processes}"
+        f"give {size * processes}" + (f" (warning: {idle})" if idle else "")
     )
 
 

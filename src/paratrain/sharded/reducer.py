@@ -12,9 +12,17 @@ DDP reducer's (:mod:`paratrain.ddp.reducer`, which this subclasses); what differ
   copies the sum;
 - the reduce-scatter sums every rank's buffer into each rank's part, :attr:`ShardedReducer.grads` (the padded
   part of each bucket, kept from step to step): the gradients of this rank's pieces of the parameters
-  (:mod:`paratrain.sharded.partition`). Each synchronised backward replaces them: gradients add up across backwards
-  inside ``no_sync`` (``Parallel.accumulate``), where ``.grad`` holds them, not across synchronised backwards
-  (under DDP those add up in ``.grad``; here no rank holds a whole gradient between them).
+  (:mod:`paratrain.sharded.partition`).
+
+Gradients add up from backward to backward until ``zero_grad``, as DDP's ``.grad`` do. Inside ``no_sync``
+(``Parallel.accumulate``, the cheap way) ``.grad`` holds them, and the synchronising backward reduces the sum.
+Across synchronised backwards (``backward(); backward(); step()``, every one reducing) the parts are kept between
+them, and the next backward first all-gathers them back into ``.grad`` (at the outputs' gradient, before autograd
+adds anything; a forward inside ``no_sync`` does it at once), so autograd adds the new gradients to the reduced ones
+exactly as under DDP: the same numbers, bit for bit at two ranks. That costs an all-gather of every bucket, and the
+whole gradient on every rank while that backward runs; a reduce-scatter added to the kept parts instead would
+round differently from DDP (1e-5 relative in AdamW's parameters after 3 steps). ``zero_grad(set_to_none=False)``
+zeroes the parts, which need no gathering: a backward onto zeros gives what one onto nothing gives.
 """
 
 from __future__ import annotations
@@ -25,15 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.ddp.reducer import Reducer
+from paratrain.comm.process_groups import no_python_in_work
+from paratrain.ddp.reducer import _SYNC, Reducer
 from paratrain.errors import DistributedError
 from paratrain.sharded.partition import BucketShards, shard_bucket
 
 __all__ = ["MAX_IN_FLIGHT", "ShardedReducer", "all_gather_into", "reduce_scatter_into"]
 
 MAX_IN_FLIGHT = 2  # buckets whose reduce-scatter may run at once; each holds a full bucket buffer meanwhile
-
-_EMPTY = torch.empty(0)
 
 
 def reduce_scatter_into(output: torch.Tensor, buffer: torch.Tensor, group: Any) -> Any:
@@ -55,6 +62,7 @@ class ShardedReducer(Reducer):
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], *, rank: int, **kwargs: Any) -> None:
         self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
+        self._placeholders: dict[int, torch.Tensor] = {}  # each bucket's buffer while it has none (_allocate)
         super().__init__(params, names, **kwargs)
         self.rank = rank
         numels = [p.numel() for p in self.params]
@@ -63,15 +71,20 @@ class ShardedReducer(Reducer):
         self.grads = [
             torch.zeros(s.part, dtype=b.dtype, device=b.device) for s, b in zip(self.shards, self.buckets, strict=True)
         ]
-        self.reduced = [False] * len(self.params)  # the latest synchronised backward reduced parameter i
+        self.reduced = [False] * len(self.params)  # parameter i has a gradient in the parts (None if not)
+        self.held = False  # the parts hold gradients that the next backward adds to: gathered into .grad first
 
     # -- buffers that come and go -----------------------------------------------------------------------------
 
     def _allocate(self, b: int, numel: int | None = None) -> None:
-        # no buffer until the bucket's first gradient arrives (_ensure)
-        self.buffers[b] = _EMPTY
-        for i in self.buckets[b].indices:
-            self.views[i] = _EMPTY
+        # no buffer until the bucket's first gradient arrives (_ensure): an empty one of the bucket's own
+        bucket = self.buckets[b]
+        empty = self._placeholders.get(b)
+        if empty is None:
+            empty = self._placeholders[b] = torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+        self.buffers[b] = empty
+        for i in bucket.indices:
+            self.views[i] = empty
 
     def _ensure(self, b: int) -> None:
         """Bucket ``b``'s buffer, taken now if it has none (after the oldest launched bucket is done, if need be)."""
@@ -104,6 +117,40 @@ class ShardedReducer(Reducer):
             self._allocate(b)
         self._unfinished = []
 
+    # -- gradients that add up across synchronised backwards -------------------------------------------------
+
+    def prepare(self, sync: bool) -> None:
+        super().prepare(sync)
+        if not sync and self.held:
+            self._restore()  # inside no_sync autograd adds to .grad from the first gradient on
+
+    def on_backward(self) -> None:
+        if self.state == _SYNC and self.held:
+            self._restore()  # before autograd adds this backward's gradients (but the first, added to)
+        super().on_backward()
+
+    def _restore(self) -> None:
+        """All-gather the kept parts into ``.grad``, as DDP holds them after a synchronised backward."""
+        self.held = False
+        gathers = []
+        for b, (bucket, shards) in enumerate(zip(self.buckets, self.shards, strict=True)):
+            if not any(self.reduced[i] for i in bucket.indices):
+                continue  # the same on every rank: reduced follows the used map, summed across ranks
+            whole = torch.empty(shards.padded, dtype=bucket.dtype, device=bucket.device)
+            seq = self.monitor.launched()
+            with no_python_in_work():
+                work = all_gather_into(whole, self.grads[b], self.group)
+            gathers.append((b, whole, work, seq))
+        with torch.no_grad():
+            for b, whole, work, seq in gathers:
+                self.monitor.wait(work, seq, f"all-gather of the gradients kept since the last step, bucket {b}")
+                bucket = self.buckets[b]
+                for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+                    p = self.params[i]
+                    if self.reduced[i]:
+                        kept = whole.narrow(0, offset, p.numel()).view_as(p)
+                        p.grad = kept if p.grad is None else p.grad.add_(kept)
+
     # -- the collectives ----------------------------------------------------------------------------------------
 
     def _start(self, b: int) -> Any:
@@ -122,12 +169,15 @@ class ShardedReducer(Reducer):
         # every bucket was waited for (finish): settle the rest; no rank holds a whole gradient afterwards
         for b in list(self._unfinished):
             self._settle(b)
-        self.reduced = [used is None or used[i] != 0 for i in range(len(self.params))]
+        # a parameter unused on every rank keeps what it had (zeros, or what it was gathered back with)
+        self.reduced = [used is None or used[i] != 0 or self.reduced[i] for i in range(len(self.params))]
+        self.held = any(self.reduced)
         for p in self.params:
             p.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear this rank's gradients: gone (``set_to_none``), or zeros."""
+        """Clear this rank's gradients: gone (``set_to_none``), or zeros that the next backward adds to."""
+        self.held = False
         if set_to_none:
             self.reduced = [False] * len(self.params)
             return

@@ -10,6 +10,14 @@ round robin over the configurations (the order rotating each round) so that drif
 them alike. Each step is split into data wait, forward (with the loss), backward (with the synchronisation it
 does not hide) and optimizer; the report gives medians over steps and repeats, samples/s, and speed-up and
 scaling efficiency against ``single``, which is added when not listed.
+
+Every configuration computes with the threads ``paratrain train`` would give it (one process: the cores it may
+use; dp's CPU replicas: the cores shared among them; launched ranks: what the launcher set), so that ``single`` is
+not measured with OpenMP threads spinning beside other work. The report records the threads, the cores and the
+load average before and after, and marks a configuration **unreliable**, in the table and the JSON, when its
+figures cannot be true or did not hold still: an efficiency above 100% (N devices more than N times faster than
+one, which a busy baseline fakes), or a median step that moved between repeats by more than
+:data:`~paratrain.tools.plan_report.MOVED_BOUND` of itself.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ from paratrain.files import check_output
 from paratrain.parallel import Parallel
 from paratrain.settings import setting
 from paratrain.tools.configs import RunConfig, parse_configs, unavailable_reason
+from paratrain.tools.plan_report import MOVED_BOUND
 from paratrain.tools.report import format_markdown, format_table, write_json, write_text
 from paratrain.tools.runner import ConfigRunError, run_config
 from paratrain.tools.settings import RunSettings, TimingSettings, settings_from
 from paratrain.tools.workload import Workload, build_optimizer, endless
 from paratrain.training.logs import install_hint
+from paratrain.training.threads import MachineLoad, choose_threads, using_threads
 
 __all__ = ["PHASES", "BenchConfig", "BenchReport", "ConfigTiming", "bench"]
 
@@ -84,7 +94,13 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 def run_in(par: Parallel, settings: BenchConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    """``warmup`` + ``steps`` steps under ``par``; seconds of each phase of each timed step."""
+    """``warmup`` + ``steps`` steps under ``par``, on the threads ``train`` would use; seconds of each phase."""
+    threads = choose_threads(par.strategy_name, par.strategy.devices, launched=par.environment.launched)
+    with using_threads(threads):
+        return _timed_steps(par, settings)
+
+
+def _timed_steps(par: Parallel, settings: BenchConfig) -> dict[str, Any]:
     work = Workload.load(settings)
     model = work.build_model()
     optimizer = build_optimizer(settings, model.parameters())
@@ -139,6 +155,24 @@ class ConfigTiming:
     efficiency: float = 0.0
     repeat_step_seconds: list[float] = field(default_factory=list)  # the median step of each repeat
     threads_per_process: int = 0
+    unreliable: list[str] = field(default_factory=list)  # why these figures cannot be trusted, if they cannot
+
+    @property
+    def moved(self) -> float:
+        """How far the repeats' median steps spread, as a fraction of the median (0 with one repeat)."""
+        steps = self.repeat_step_seconds
+        return (max(steps) - min(steps)) / self.step_seconds if len(steps) > 1 and self.step_seconds else 0.0
+
+    def judge(self, bound: float = MOVED_BOUND) -> None:
+        """Fill :attr:`unreliable`: an efficiency no N devices can reach, or repeats that did not hold still."""
+        self.unreliable = []
+        if self.devices > 1 and self.efficiency > 1.0:
+            self.unreliable.append(
+                f"efficiency {self.efficiency:.0%}: {self.devices} devices measured {self.speedup:.2f}x faster than "
+                "one, more than they can be (the baseline ran slow)"
+            )
+        if self.moved > bound:
+            self.unreliable.append(f"its median step moved by {self.moved:.0%} between repeats (more than {bound:.0%})")
 
 
 @dataclass
@@ -147,10 +181,16 @@ class BenchReport:
     timings: list[ConfigTiming]
     notes: list[str]
     written: list[str] = field(default_factory=list)  # the files written: JSON, Markdown, PNG
+    machine: dict[str, Any] = field(default_factory=dict)  # cores, and the load average before and after
 
     @property
     def ok(self) -> bool:
         return all(t.status != "ERROR" for t in self.timings)
+
+    @property
+    def reliable(self) -> bool:
+        """No configuration's figures were marked unreliable."""
+        return not any(t.unreliable for t in self.timings)
 
     def timing(self, config: str) -> ConfigTiming:
         return next(t for t in self.timings if t.config == config)
@@ -159,6 +199,8 @@ class BenchReport:
         return {
             "command": "bench",
             "ok": self.ok,
+            "reliable": self.reliable,
+            "machine": self.machine,
             "settings": self.settings,
             "notes": self.notes,
             "configs": [asdict(t) for t in self.timings],
@@ -176,17 +218,20 @@ class BenchReport:
             "samples/s",
             "speed-up",
             "efficiency",
+            "threads",
         ]
         rows = []
         for t in self.timings:
             if t.status != "OK":
-                rows.append([t.config, str(t.devices), f"{t.status}: {t.reason}"] + [""] * 7)
+                rows.append([t.config, str(t.devices), f"{t.status}: {t.reason}"] + [""] * 8)
                 continue
             p = t.phase_seconds
+            mark = " unreliable" if t.unreliable else ""
             rows.append(
                 [t.config, str(t.devices), f"{t.step_seconds * 1e3:.2f}"]
                 + [f"{p[name] * 1e3:.2f}" for name in PHASES]
-                + [f"{t.samples_per_second:,.0f}", f"{t.speedup:.2f}x", f"{t.efficiency:.0%}"]
+                + [f"{t.samples_per_second:,.0f}", f"{t.speedup:.2f}x{mark}", f"{t.efficiency:.0%}{mark}"]
+                + [str(t.threads_per_process)]
             )
         return headers, rows
 
@@ -196,14 +241,28 @@ class BenchReport:
         lines = [
             format_table(headers, rows),
             f"medians of {s['repeats']} round-robin repeats x {s['steps']} steps after {s['warmup']} warm-up steps; "
-            f"global batch {s['batch_size']}; phases in ms per step",
+            f"global batch {s['batch_size']}; phases in ms per step; threads per process",
             *self.notes,
+            *self.warnings(),
         ]
         return "\n".join(lines)
 
+    def warnings(self) -> list[str]:
+        """One line per unreliable configuration, and what to do about it."""
+        lines = [f"unreliable: {t.config}: {'; '.join(t.unreliable)}" for t in self.timings if t.unreliable]
+        if lines:
+            load = self.machine.get("load_average_after")
+            busy = f" (load average {load:.1f} on {self.machine.get('cores')} cores)" if load is not None else ""
+            lines.append(
+                f"other work on this machine{busy} changes what a step costs while bench measures it: run bench "
+                "again with nothing else running, or with more --repeats"
+            )
+        return lines
+
     def markdown(self) -> str:
         headers, rows = self.rows()
-        return format_markdown(headers, rows) + "\n" + "\n".join(f"- {n}" for n in self.notes) + "\n"
+        notes = [*self.notes, *self.warnings()]
+        return format_markdown(headers, rows) + "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
 def _summarise(config: RunConfig, runs: list[dict[str, Any]], batch_size: int) -> ConfigTiming:
@@ -241,6 +300,7 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
         configs.insert(0, parse_configs(["single"])[0])
         notes.append("single was added: speed-up and efficiency are measured against it")
     runnable = [c for c in configs if unavailable_reason(c) is None]
+    before = MachineLoad.now()
     runs: dict[str, list[dict[str, Any]]] = {c.word: [] for c in runnable}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
@@ -267,6 +327,14 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
         if t.status == "OK" and base is not None:
             t.speedup = base.step_seconds / t.step_seconds
             t.efficiency = t.speedup / t.devices
+        if t.status == "OK":
+            t.judge()
+    after = MachineLoad.now()
+    machine = {
+        "cores": after.cores,
+        "load_average_before": before.load_average,
+        "load_average_after": after.load_average,
+    }
     cores = os.cpu_count() or 1
     launched = [c for c in runnable if not c.in_process]
     if launched and not torch.cuda.is_available():
@@ -285,7 +353,7 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
             f"dp's CPU replicas are threads on the same {cores} cores: they exercise the parallel code but add no "
             "compute"
         )
-    report = BenchReport(asdict(config), timings, notes)
+    report = BenchReport(asdict(config), timings, notes, machine=machine)
     _write_outputs(report, config)
     return report
 

@@ -20,7 +20,7 @@ from paratrain.strategies import STRATEGY_NAMES
 from paratrain.training.logs import check_extras
 from paratrain.training.optimizers import LR_SCHEDULES
 from paratrain.training.settings import CollectiveSettings, DataSettings, ModelSettings, OptimizerSettings, StepSettings
-from paratrain.training.trackers import TRACKERS, check_trackers
+from paratrain.training.trackers import LOG_DIR_OUTPUTS, LOG_WITH, TRACKERS, check_trackers
 from paratrain.training.user_data import DATA_SPEC_HELP, check_data_spec
 
 __all__ = ["RESUME_MODES", "TrainConfig"]
@@ -75,21 +75,27 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
     metrics_out: str | None = setting(None, "write the results as JSON", metavar="FILE.json")
     log_dir: str | None = setting(
         None,
-        "write TensorBoard event files, metrics.csv and curves.png there (from rank 0 only)",
+        "write metrics.csv there, and TensorBoard event files and curves.png where their extras are installed "
+        "(from rank 0 only)",
         metavar="DIR",
     )
     log_with: list[str] | None = setting(
         None,
-        "with --log-dir, also log to these trackers: mlflow (a file store in DIR/mlruns, or MLFLOW_TRACKING_URI; "
+        "with --log-dir: csv and tensorboard are --log-dir's own metrics.csv and event files (tensorboard then "
+        "required); also log to these trackers: mlflow (a file store in DIR/mlruns, or MLFLOW_TRACKING_URI; "
         "needs paratrain[mlflow]), wandb (offline, in DIR/wandb; needs paratrain[wandb])",
-        check=lambda names: None if names is None or set(names) <= set(TRACKERS) else f"some of: {', '.join(TRACKERS)}",
+        check=lambda names: None if names is None or set(names) <= set(LOG_WITH) else f"some of: {', '.join(LOG_WITH)}",
         nargs="+",
         metavar="TRACKER",
     )
     tensorboard: bool | None = setting(
-        None, "with --log-dir, write TensorBoard event files (default: yes; needs paratrain[tensorboard])"
+        None,
+        "with --log-dir, write TensorBoard event files (default: when paratrain[tensorboard] is installed; "
+        "--tensorboard: required)",
     )
-    plot: bool | None = setting(None, "with --log-dir, draw curves.png (default: yes; needs paratrain[plot])")
+    plot: bool | None = setting(
+        None, "with --log-dir, draw curves.png (default: when paratrain[plot] is installed; --plot: required)"
+    )
     quiet: bool = setting(False, "no progress bar and no per-step lines")
     progress_bar: bool | None = setting(None, "show a progress bar (default: when stderr is a terminal)")
     max_steps: int | None = setting(
@@ -99,6 +105,19 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
         metavar="N",
     )
     eval_batch_size: int = setting(1024, "samples per batch when measuring test accuracy", check=at_least(1))
+
+    @property
+    def trackers(self) -> list[str]:
+        """The experiment trackers ``--log-with`` names (not ``--log-dir``'s own files)."""
+        return [name for name in self.log_with or () if name in TRACKERS]
+
+    @property
+    def writes_tensorboard(self) -> bool | None:
+        """TensorBoard event files: True required (``--tensorboard``, ``--log-with tensorboard``), False off,
+        None where the package is installed."""
+        if self.tensorboard is None and "tensorboard" in (self.log_with or ()):
+            return True
+        return self.tensorboard
 
     @property
     def dataset_name(self) -> str:
@@ -115,9 +134,17 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
                 )
             check_data_spec(self.data)
         if self.log_with and self.log_dir is None:
-            raise ConfigError(f"--log-with {' '.join(self.log_with)} logs beside --log-dir's files; add --log-dir DIR")
-        if self.log_with:
-            check_trackers(self.log_with)
+            own = [name for name in self.log_with if name in LOG_DIR_OUTPUTS]
+            what = "writes into" if own else "logs beside the files of"
+            raise ConfigError(
+                f"--log-with {' '.join(self.log_with)} {what} --log-dir, which has no default: add --log-dir DIR "
+                f"(runs/a, say)"
+            )
+        if "tensorboard" in (self.log_with or ()) and self.tensorboard is False:
+            raise ConfigError(
+                "--log-with tensorboard asks for TensorBoard event files, --no-tensorboard for none: drop one"
+            )
+        check_trackers(self.trackers)
         for name, value in (("--tensorboard", self.tensorboard), ("--plot", self.plot)):
             if value and self.log_dir is None:
                 raise ConfigError(f"{name} writes into --log-dir; add --log-dir DIR")
@@ -132,7 +159,8 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
                 ) from err
             if is_file:
                 raise ConfigError(f"--log-dir {self.log_dir} is a file; give a directory (it is created if missing)")
-            check_extras(tensorboard=self.tensorboard is not False, plot=self.plot is not False)
+            asked = "--tensorboard" if self.tensorboard else "--log-with tensorboard"
+            check_extras(tensorboard=self.writes_tensorboard, plot=self.plot, tensorboard_flag=asked)
         if self.resume is not None and self.checkpoint_dir is None and self.resume in RESUME_MODES:
             raise ConfigError("--resume needs --checkpoint-dir (where to look for the latest checkpoint)")
 

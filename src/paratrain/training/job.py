@@ -12,6 +12,7 @@ From Python: ``train(TrainConfig(epochs=1, quiet=True))`` returns a :class:`~par
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -26,6 +27,7 @@ from paratrain.environment import ClusterEnvironment
 from paratrain.errors import TrainingError, TrainingInterrupted
 from paratrain.files import is_stdout, remove_stale_temporaries
 from paratrain.launch.config import LaunchConfig
+from paratrain.loop.prepared import idle_processes
 from paratrain.parallel import Parallel, seed_everything
 from paratrain.strategies import resolve_devices, resolve_strategy
 from paratrain.training.config import TrainConfig
@@ -215,11 +217,14 @@ class _Run:
             resumed_at = self.pos.global_step - 1 if self.resume_path is not None else None
             run_log = None
             if par.is_main:
-                tensorboard, plot = config.tensorboard is not False, config.plot is not False
+                tensorboard, plot = config.writes_tensorboard, config.plot
                 run_log = RunLog(config.log_dir, tensorboard=tensorboard, plot=plot, resume_step=resumed_at)
+                note = run_log.missing_note()
+                if note is not None:  # metrics.csv is written all the same; said once, by the main process
+                    print(f"paratrain train: note: {note}", file=sys.stderr, flush=True)
             trackers = []
-            if par.is_main and config.log_with:
-                trackers = open_trackers(config.log_with, config.log_dir, config=config.to_dict(), name=config.log_dir)
+            if par.is_main and config.trackers:
+                trackers = open_trackers(config.trackers, config.log_dir, config=config.to_dict(), name=config.log_dir)
             self.tracker = Tracker(par, run_log, trackers)
         self.steps = self.samples = 0
         self.eval_seconds = self.checkpoint_seconds = 0.0
@@ -245,6 +250,14 @@ class _Run:
         if par.world_size > 1:
             low, high = config.batch_size // par.world_size, -(-config.batch_size // par.world_size)
             per_process = f" ({low}{f' or {high}' if high != low else ''} per process)"
+        idle = idle_processes(config.batch_size, par.world_size)
+        if idle is not None and par.is_main:  # it trains correctly, but the idle processes only cost
+            print(
+                f"paratrain train: warning: {idle}: give --batch-size {par.world_size} or more, or start at most "
+                f"{config.batch_size} processes",
+                file=sys.stderr,
+                flush=True,
+            )
         epochs = f"{config.epochs} epoch{'s' * (config.epochs != 1)}"
         self.say(
             f"Training {config.model} on {config.dataset_name} ({len(splits.train)} train / {len(splits.test)} test) "
@@ -458,8 +471,8 @@ class _Run:
             steps_redone=sum(r.steps_redone for r in self.recovery.recoveries),
             recovery_seconds=sum(r.recovery_seconds for r in self.recovery.recoveries),
             recoveries=[asdict(r) for r in self.recovery.recoveries],
-            epoch_losses=self.epoch_losses,
-            epoch_test_accuracy=self.epoch_accuracy,
+            epoch_losses=list(history.epoch_losses),  # every epoch of the run, those before a resume included
+            epoch_test_accuracy=list(history.epoch_test_accuracy),
             precision=par.precision.name,
             accumulate=config.accumulate,
             optimizer=config.optimizer,

@@ -54,12 +54,12 @@ class TrainResult:
     steps: int = 0
     samples: int = 0
     resumed_from: str | None = None
-    epoch_losses: list[float] = field(default_factory=list)
+    epoch_losses: list[float] = field(default_factory=list)  # each epoch's mean train loss since the run began
     restarts: int = 0  # how often the launcher restarted the workers (each resumed from the latest checkpoint)
     steps_redone: int = 0  # steps trained again because a failure lost them (summed over restarts)
     recovery_seconds: float = 0.0  # from the last step before each failure to the first one after resuming
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # each restart's figures
-    epoch_test_accuracy: list[float] = field(default_factory=list)  # after each epoch this run trained
+    epoch_test_accuracy: list[float] = field(default_factory=list)  # after each epoch since the run began
     precision: str = "32"
     accumulate: int = 1
     optimizer: str = "sgd"

@@ -3,10 +3,14 @@
     invocation = Invocation.now(config, par, resumed_from=None, start_step=0)
     invocation.write("runs/a")     # runs/a/paratrain-run.toml (the settings) and runs/a/paratrain-run.json
 
-``paratrain-run.toml`` is this invocation's resolved settings in the format ``--config`` reads (with the
-launcher's, ``nproc-per-node`` and the rest, when ``paratrain train`` started the ranks), its header comments the
-environment: ``paratrain train --config runs/a/paratrain-run.toml`` runs the same job again, and
-on the same machine and software reaches the same ``model_fingerprint`` (a test holds it to that).
+``paratrain-run.toml`` is the run's resolved settings in the format ``--config`` reads (with the launcher's,
+``nproc-per-node`` and the rest, when ``paratrain train`` started the ranks), its header comments the
+environment. It holds the run's settings, not one invocation's limits: ``max-steps`` (where this invocation
+stopped itself) and ``resume`` (how it started) are left out, so that ``paratrain train --config
+runs/a/paratrain-run.toml --resume`` continues the whole run instead of stopping again after as many steps. The
+header says how to repeat the invocation: ``paratrain train --config runs/a/paratrain-run.toml`` (with
+``--max-steps N`` where it had one) runs the same job again, and on the same machine and software reaches the
+same ``model_fingerprint`` (a test holds it to that).
 ``paratrain-run.json`` lists every invocation of the run in order, each with its settings, its environment and
 where it resumed from: a resumed run appends itself to the record the run's first invocation started.
 """
@@ -32,10 +36,12 @@ from paratrain.parallel import Parallel
 from paratrain.training.config import TrainConfig
 from paratrain.version import __version__
 
-__all__ = ["RECORD_JSON", "RECORD_TOML", "Invocation", "environment"]
+__all__ = ["INVOCATION_ONLY", "RECORD_JSON", "RECORD_TOML", "Invocation", "environment"]
 
 RECORD_TOML = "paratrain-run.toml"
 RECORD_JSON = "paratrain-run.json"
+# settings of one invocation, not of the run: paratrain-run.toml leaves them out (paratrain-run.json keeps them)
+INVOCATION_ONLY = ("max_steps", "resume")
 
 
 def environment(par: Parallel) -> dict[str, Any]:
@@ -89,15 +95,22 @@ class Invocation:
         env = self.environment
         gpus = f", GPUs {', '.join(env['gpus'])}" if env["gpus"] else ""
         start = f"resumed from {self.resumed_from} at step {self.start_step}" if self.resumed_from else "a fresh run"
+        limit = self.config.get("max_steps")
+        repeat = f"repeat it: paratrain train --config {RECORD_TOML}"
+        if limit is not None:
+            repeat += f" --max-steps {limit}  (this invocation's limit, not the run's)"
+        if self.config.get("checkpoint_dir") is not None:
+            repeat += f"\ncontinue it: paratrain train --config {RECORD_TOML} --resume"
         header = (
             f"paratrain train settings, {start}, started {self.started_at}\n"
-            f"repeat it: paratrain train --config {RECORD_TOML}\n"
+            f"{repeat}\n"
             f"paratrain {env['paratrain']}, torch {env['torch']}, Python {env['python']}, "
             f"CUDA {env['cuda'] or 'none'}\n"
             f"{env['strategy']} on {', '.join(env['devices'])} (world size {env['world_size']}, backend "
             f"{env['backend'] or 'none'}){gpus}"
         )
-        text = TrainConfig(**self.config).to_toml(header=header)
+        run_settings = {**self.config, **dict.fromkeys(INVOCATION_ONLY)}
+        text = TrainConfig(**run_settings).to_toml(header=header)
         if self.launch is not None:  # the processes paratrain train started: the same number again
             text += "\n" + to_toml(self.launch, header="processes and machines (torchrun), as this run's were started")
         return text

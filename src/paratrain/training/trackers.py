@@ -32,9 +32,20 @@ from typing import Any, Protocol
 from paratrain.errors import ConfigError
 from paratrain.training.logs import install_hint
 
-__all__ = ["TRACKERS", "ExperimentTracker", "check_trackers", "mlflow_store", "open_trackers"]
+__all__ = [
+    "LOG_DIR_OUTPUTS",
+    "LOG_WITH",
+    "TRACKERS",
+    "ExperimentTracker",
+    "check_trackers",
+    "mlflow_store",
+    "open_trackers",
+]
 
 TRACKERS = ("mlflow", "wandb")
+# what --log-dir writes itself, named as Accelerate's log_with names them: accepted by --log-with as those files
+LOG_DIR_OUTPUTS = ("csv", "tensorboard")
+LOG_WITH = (*LOG_DIR_OUTPUTS, *TRACKERS)  # every name --log-with takes
 _PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}  # what each imports (the mlflow extra installs mlflow-skinny)
 
 
