@@ -20,6 +20,7 @@ NO_GPU = not torch.cuda.is_available()
         ("ddp:3", "ddp", (), 3, "ddp:3"),
         ("zero1:2", "zero1", (), 2, "zero1:2"),
         ("zero2:04", "zero2", (), 4, "zero2:4"),
+        ("zero3:2", "zero3", (), 2, "zero3:2"),
         ("single:cpu", "single", ("cpu",), 1, "single:cpu"),
     ],
 )
@@ -31,7 +32,7 @@ def test_words(word, strategy, devices, processes, canonical):
         processes,
         canonical,
     )
-    assert config.device_count == (processes if strategy in ("ddp", "zero1", "zero2") else len(devices))
+    assert config.device_count == (processes if strategy in ("ddp", "zero1", "zero2", "zero3") else len(devices))
     assert config.in_process == (strategy in ("single", "dp"))
 
 
@@ -44,7 +45,7 @@ def test_words(word, strategy, devices, processes, canonical):
         ("ddp:0", "N >= 1"),
         ("ddp:two", "N >= 1"),
         ("zero2:0", "zero2:N takes a number of processes N >= 1"),
-        ("zero3:2", "unknown configuration"),
+        ("zero3:x", "zero3:N takes a number of processes N >= 1"),
         ("single:cpu,cpu", "single runs on one device"),
         ("fsdp:2", "unknown configuration"),
     ],

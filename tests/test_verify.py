@@ -173,10 +173,13 @@ def test_the_runs_optimizer_precision_and_accumulation_are_verified(monkeypatch_
 def test_clean_models_pass_under_adamw_and_bf16_where_a_fixed_tolerance_cried_wolf():
     """SimpleNet with AdamW: dp and ddp differ from single by 1e-4 relative (AdamW divides by the root of tiny
     squared gradients), rounding a float32 tolerance failed; under bf16-mixed ddp really computes in bf16."""
-    adamw = verify(VerifyConfig(optimizer="adamw", steps=3, configs=["single", "dp:cpu,cpu", "ddp:2", "zero2:2"]))
+    configs = ["single", "dp:cpu,cpu", "ddp:2", "zero2:2", "zero3:2"]
+    adamw = verify(VerifyConfig(optimizer="adamw", steps=3, configs=configs))
     assert adamw.ok, adamw.render()
     # zero2: no rank holds a whole gradient; verify gathers them, and they train as ddp's do
     assert adamw.verdict("zero2:2").status == "PASS" and adamw.verdict("zero2:2").max_abs["gradient"] > 0
+    # zero3: no rank holds the whole weights either (verify gathers them too); at two ranks its steps are ddp's
+    assert adamw.verdict("zero3:2").max_abs == adamw.verdict("ddp:2").max_abs
     assert adamw.tolerance.rule == "float64"
     assert adamw.verdict("dp:cpu,cpu").max_rel["parameter"] > 1e-5  # what the fixed float32 tolerance failed
     assert "within 16x single's own rounding" in adamw.render()

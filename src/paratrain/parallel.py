@@ -375,7 +375,7 @@ class Parallel:
     def gradients(self, model: nn.Module) -> list[torch.Tensor | None]:
         """Every parameter's synchronised gradient, whole, in ``parameters()`` order (None where there is none).
 
-        Under single, dp and ddp, each ``.grad``; under zero2 no process holds a whole gradient, so they are
+        Under single, dp and ddp, each ``.grad``; under zero2 and zero3 no process holds a whole gradient, so they are
         gathered from every process's shard (a collective: call it in every process), for checks such as
         ``paratrain verify``.
         """
@@ -452,7 +452,7 @@ class Parallel:
         """Write a training state atomically; every process calls it and waits for it.
 
         Values that are prepared models or optimizers are saved as the strategy holds them: their state dicts
-        (written by the main process), or under ``zero1``/``zero2`` each process's slices of them, written by
+        (written by the main process), or under ``zero1``/``zero2``/``zero3`` each process's slices of them, written by
         each process into a sharded checkpoint: the directory ``path`` without ``.pt``
         (:mod:`paratrain.checkpoint.sharded`). Either loads under any strategy and number of processes. Returns the
         path written, in the main process.

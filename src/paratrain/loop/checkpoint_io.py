@@ -77,8 +77,10 @@ def load_state(strategy: Strategy, path: str | Path, into: dict[str, Any] | None
         value = state.pop(key)
         if isinstance(obj, torch.optim.Optimizer):
             strategy.load_optimizer_state(obj, value)
+        elif isinstance(obj, nn.Module):
+            strategy.load_model_state(obj, value)
         else:
-            strategy.unwrap(obj).load_state_dict(materialize(value))
+            obj.load_state_dict(materialize(value))
     rest: dict[str, Any] = materialize(state)
     if device.type == "cpu":
         return rest

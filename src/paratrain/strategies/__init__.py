@@ -13,8 +13,9 @@ strategy = select_strategy("single", "cuda:1")
 3. an explicit list of several devices (``cpu,cpu,cpu``, ``cuda:0,cuda:1``): ``dp``, in this process;
 4. otherwise (one GPU, or the CPU): ``single``.
 
-``zero1`` and ``zero2`` (sharded data parallel, :mod:`paratrain.strategies.zero`) run like ``ddp``, one process
-per device under a launcher, and are chosen by name only.
+``zero1``, ``zero2`` (sharded data parallel, :mod:`paratrain.strategies.zero`) and ``zero3`` (fully sharded,
+:mod:`paratrain.strategies.fully_sharded`) run like ``ddp``, one process per device under a launcher, and are
+chosen by name only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from paratrain.errors import ConfigError
 from paratrain.strategies.base import ReduceOp, Strategy
 from paratrain.strategies.ddp import DDP_DEVICES, DistributedStrategy
 from paratrain.strategies.dp import DataParallelStrategy
+from paratrain.strategies.fully_sharded import Zero3Strategy
 from paratrain.strategies.single import SingleDevice
 from paratrain.strategies.zero import Zero1Strategy, Zero2Strategy, ZeroStrategy
 
@@ -42,6 +44,7 @@ __all__ = [
     "Strategy",
     "Zero1Strategy",
     "Zero2Strategy",
+    "Zero3Strategy",
     "ZeroStrategy",
     "check_ddp_devices",
     "resolve_devices",
@@ -49,12 +52,13 @@ __all__ = [
     "select_strategy",
 ]
 
-STRATEGY_NAMES = ("auto", "single", "dp", "ddp", "zero1", "zero2")
-PROCESS_STRATEGIES = ("ddp", "zero1", "zero2")  # one process per device, started by a launcher
+STRATEGY_NAMES = ("auto", "single", "dp", "ddp", "zero1", "zero2", "zero3")
+PROCESS_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")  # one process per device, started by a launcher
 _BY_NAME: dict[str, type[DistributedStrategy]] = {
     "ddp": DistributedStrategy,
     "zero1": Zero1Strategy,
     "zero2": Zero2Strategy,
+    "zero3": Zero3Strategy,
 }
 
 Devices = str | Sequence[DeviceLike] | None
@@ -98,7 +102,7 @@ def _means_every_gpu(devices: Devices) -> bool:
 
 
 def check_ddp_devices(devices: Devices, flag: str = "devices", strategy_name: str = "ddp") -> str:
-    """The device type ddp's (or zero1's, zero2's) processes use (``auto``, ``cpu`` or ``cuda``): the one rule.
+    """The device type ddp's (or zero1's, zero2's, zero3's) processes use (``auto``, ``cpu`` or ``cuda``): the one rule.
 
     Raises:
         ConfigError: a list of devices (each process uses one: its local rank's GPU, or the CPU).
@@ -153,7 +157,7 @@ def select_strategy(
         )
     if timeout is not None and name != "auto":
         raise ConfigError(
-            f"timeout is for strategy 'ddp' (and zero1, zero2: how long a collective waits for the other "
+            f"timeout is for strategy 'ddp' (and zero1, zero2, zero3: how long a collective waits for the other "
             f"processes); strategy {resolved!r} runs in one process and has no collectives: drop timeout"
         )
     chosen = resolve_devices(devices)

@@ -103,6 +103,10 @@ class Strategy(ABC):
         """What a checkpoint holds of ``model``: its state dict (a sharded strategy: this rank's slices)."""
         return self.unwrap(model).state_dict()
 
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Load a checkpoint's model state, written under any strategy and world size (zero3: only its shards)."""
+        self.unwrap(model).load_state_dict(materialize(state))
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """What a checkpoint holds of ``optimizer``: torch's state dict, indexed as the user's optimizer."""
         return optimizer.state_dict()

@@ -3,7 +3,7 @@
     paratrain bench                                             # every configuration this machine can run
     paratrain bench --model mlp --width 2048 --configs single ddp:2 --report-out bench.json
     paratrain bench --steps 50 --repeats 5 --markdown-out bench.md --plot-out bench.png
-    paratrain bench --model mlp --width 2048 --optimizer adamw --configs ddp:2 zero1:2 zero2:2
+    paratrain bench --model mlp --width 2048 --optimizer adamw --configs ddp:2 zero1:2 zero2:2 zero3:2
 
 Each configuration runs ``--warmup`` untimed steps, then ``--steps`` timed ones, and that ``--repeats`` times,
 round robin over the configurations (the order rotating each round) so that drift of a shared machine hits all of
@@ -345,8 +345,8 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
             for n in [int(given) if given and given.isdigit() else max(1, cores // c.processes)]
         )
         notes.append(
-            f"on the CPU, the processes of ddp (zero1, zero2) share this machine's {cores} cores ({each}): they add "
-            "no compute here, only communication"
+            f"on the CPU, the processes of ddp (zero1, zero2, zero3) share this machine's {cores} cores ({each}): they "
+            "add no compute here, only communication"
         )
     if any(c.strategy == "dp" and "cpu" in c.devices for c in runnable):
         notes.append(
@@ -380,7 +380,7 @@ def _write_outputs(report: BenchReport, config: BenchConfig) -> None:
         single = next((t.samples_per_second for t in measured if t.strategy == "single"), None)
         series = {
             strategy: [(t.devices, t.samples_per_second, t.efficiency) for t in measured if t.strategy == strategy]
-            for strategy in ("dp", "ddp", "zero1", "zero2")
+            for strategy in ("dp", "ddp", "zero1", "zero2", "zero3")
         }
         title = f"paratrain bench: {config.model}, global batch {config.batch_size}"
         plot_scaling(series, single, title, plot)

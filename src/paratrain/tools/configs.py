@@ -5,6 +5,7 @@ dp:cpu,cpu,cpu        paratrain's DataParallel over those devices, in this proce
 dp:cuda:0,cuda:1
 ddp:2                 2 processes started through paratrain's launcher (one GPU each, or gloo on the CPU)
 zero1:2, zero2:3      as ddp:N, with the optimizer state (zero1) or also the gradients (zero2) sharded
+zero3:2               as ddp:N, with the weights, gradients and optimizer state all sharded (fully sharded)
 
 configs = parse_configs(["single", "dp:cpu,cpu", "ddp:2", "zero2:2"])
 why_not = unavailable_reason(configs[1])      # None when this machine can run it
@@ -31,18 +32,18 @@ __all__ = [
 ]
 
 MAX_DEFAULT_DEVICES = 3  # the default list stops at 3 devices: enough to see unequal shares and scaling
-_EXAMPLES = "single, dp:cpu,cpu,cpu, dp:cuda:0,cuda:1, ddp:2, zero1:2, zero2:2"
-PROCESSES = ("ddp", "zero1", "zero2")  # the configurations that run N processes
+_EXAMPLES = "single, dp:cpu,cpu,cpu, dp:cuda:0,cuda:1, ddp:2, zero1:2, zero2:2, zero3:2"
+PROCESSES = ("ddp", "zero1", "zero2", "zero3")  # the configurations that run N processes
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One way of running: ``strategy`` with its ``devices`` (single, dp) or ``processes`` (ddp, zero1, zero2)."""
+    """One way of running: ``strategy`` with its ``devices`` (single, dp) or ``processes`` (ddp, zero1-3)."""
 
     word: str  # as the user wrote it, canonical: what reports show
-    strategy: str  # single, dp, ddp, zero1 or zero2
+    strategy: str  # single, dp, ddp, zero1, zero2 or zero3
     devices: tuple[str, ...] = ()  # single and dp
-    processes: int = 1  # ddp, zero1, zero2
+    processes: int = 1  # ddp, zero1, zero2, zero3
 
     @property
     def device_count(self) -> int:

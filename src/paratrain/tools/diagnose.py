@@ -86,7 +86,7 @@ def batchnorm_cause(model: nn.Module, strategy: str) -> Cause | None:
     advice = (
         "convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm (ddp on GPUs) so statistics cover the "
         "whole batch"
-        if strategy in ("ddp", "zero1", "zero2")
+        if strategy in ("ddp", "zero1", "zero2", "zero3")
         else "under ddp on GPUs SyncBatchNorm computes statistics over the whole batch; dp cannot"
     )
     return Cause(

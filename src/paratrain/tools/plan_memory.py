@@ -1,4 +1,4 @@
-"""``paratrain plan``'s memory per device: what ddp, zero1 and zero2 hold of the model's state at each world size.
+"""``paratrain plan``'s memory per device: what ddp, zero1, zero2 and zero3 hold of the model's state at each N.
 
     rows = memory_rows(model, "adamw", momentum=0.0, world_sizes=range(1, 9), activations={1: ..., 2: ...})
     smallest_fit(rows, 80e9)        # {"ddp": 4, "zero1": 2, "zero2": 2}: the fewest devices each fits on
@@ -10,7 +10,10 @@ Model states are counted exactly as the strategies allocate them, from the same 
 - gradients: every bucket (ddp and zero1 keep them as the buckets' buffers), or zero2's part of each;
 - optimizer state: its per-element tensors over the elements the rank updates (all of them under ddp), and
   each updated tensor's step count;
-- zero2 also holds up to ``MAX_IN_FLIGHT + 1`` whole bucket buffers while backward runs ("in flight").
+- zero2 also holds up to ``MAX_IN_FLIGHT + 1`` whole bucket buffers while backward runs ("in flight");
+- zero3 holds its part of every unit's weights, gradients and optimizer state (:mod:`paratrain.sharded.units`'s
+  default policy), and in flight the root's whole weights, the two largest other units' (one computing, one
+  prefetched) and ``MAX_REDUCING + 1`` units' whole gradients.
 
 Activations are measured: the bytes a forward at each per-device batch saves for backward, parameters aside.
 """
@@ -26,8 +29,11 @@ from torch import nn
 
 from paratrain.ddp.buckets import FIRST_BUCKET_BYTES, assign_buckets
 from paratrain.errors import ConfigError
+from paratrain.sharded.flat_unit import unit_layout
+from paratrain.sharded.fully_sharded import MAX_REDUCING
 from paratrain.sharded.partition import shard_bucket
 from paratrain.sharded.reducer import MAX_IN_FLIGHT
+from paratrain.sharded.units import plan_units
 
 __all__ = [
     "MEMORY_STRATEGIES",
@@ -42,7 +48,7 @@ __all__ = [
     "state_slots",
 ]
 
-MEMORY_STRATEGIES = ("ddp", "zero1", "zero2")
+MEMORY_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -56,7 +62,7 @@ class MemoryRow:
     parameters: int
     gradients: int
     optimizer: int
-    in_flight: int  # zero2: whole bucket buffers held while backward runs
+    in_flight: int  # zero2: whole bucket buffers held while backward runs; zero3: whole units
     activations: int
 
     @property
@@ -118,6 +124,9 @@ def memory_rows(
     for n in world_sizes:
         act = activations(n)
         for strategy in MEMORY_STRATEGIES:
+            if strategy == "zero3":
+                rows.append(_zero3_row(model, n, slots, has_step, act))
+                continue
             parameters = gradients = state = in_flight = 0
             for bucket in buckets:
                 size = _itemsize(bucket.dtype)
@@ -137,6 +146,29 @@ def memory_rows(
                 in_flight = sum(largest[: MAX_IN_FLIGHT + 1])
             rows.append(MemoryRow(strategy, n, parameters + frozen, gradients, state, in_flight, act))
     return rows
+
+
+def _zero3_row(model: nn.Module, n: int, slots: int, has_step: bool, activations: int) -> MemoryRow:
+    """zero3's bytes on rank 0 at world size ``n``, from the units its default policy makes."""
+    parameters = gradients = state = 0
+    weights, grads = [], []
+    root = 0
+    for k, unit in enumerate(plan_units(model)):
+        layout = unit_layout(k, [p.numel() for p in unit.params], unit.params[0].dtype, torch.device("cpu"), n)
+        size = _itemsize(unit.params[0].dtype)
+        trains = [i for i, p in enumerate(unit.params) if p.requires_grad]
+        parameters += layout.part * size
+        mine = [piece for piece in layout.pieces[0] if piece.param in trains]
+        state += slots * sum(piece.length for piece in mine) * size + 4 * has_step * len(mine)
+        if trains:
+            gradients += layout.part * size
+            grads.append(layout.padded * size)
+        if unit.name == "":
+            root = layout.padded * size
+        else:
+            weights.append(layout.padded * size)
+    in_flight = root + sum(sorted(weights, reverse=True)[:2]) + sum(sorted(grads, reverse=True)[: MAX_REDUCING + 1])
+    return MemoryRow("zero3", n, parameters, gradients, state, in_flight, activations)
 
 
 def smallest_fit(rows: Sequence[MemoryRow], device_bytes: int) -> dict[str, int | None]:
@@ -188,7 +220,8 @@ def render_memory(rows: Sequence[MemoryRow], device_bytes: int | None) -> list[s
         table.append([str(n), _size(first.activations), *states, *totals])
     lines = [
         "memory per device (the most loaded rank): model states counted as each strategy allocates them; "
-        "activations measured from a forward at the per-device batch; total adds zero2's buckets in flight",
+        "activations measured from a forward at the per-device batch; total adds zero2's buckets and zero3's whole "
+        "units in flight",
         format_table(headers, table),
     ]
     if device_bytes:

@@ -3,7 +3,7 @@
     paratrain verify                                          # every configuration this machine can run
     paratrain verify --model mypkg.nets:make_net --input-shape 3,32,32 --configs single dp:cpu,cpu ddp:2
     paratrain verify --loss sum --configs single ddp:2        # see what a summed loss does under ddp
-    paratrain verify --configs single ddp:2 zero1:2 zero2:3   # the sharded strategies against one device
+    paratrain verify --configs single ddp:2 zero1:2 zero2:3 zero3:2   # the sharded strategies against one device
 
 Every configuration starts from the same weights (built once here, saved, loaded by each) and trains on the same
 global batches for ``--steps`` optimizer steps. Per step it records the global batch's loss, every parameter's
@@ -174,7 +174,7 @@ def run_in(par: Parallel, settings: VerifyConfig, extra: dict[str, Any]) -> dict
     if exact:  # after prepare's own hook, which knows the batch by the tensors the loader yielded
         model.register_forward_pre_hook(_to_float64)
     inner = par.unwrap(model)
-    params = list(inner.parameters())
+    names = [n for n, _ in inner.named_parameters()]
     seed_everything(settings.seed)  # every configuration's random stream starts alike (dropout)
     batches = endless(loader)
     losses, grads, after = [], [], []
@@ -193,11 +193,12 @@ def run_in(par: Parallel, settings: VerifyConfig, extra: dict[str, Any]) -> dict
         losses.append(float(global_loss))
         if settings.clip_grad_norm is not None:
             par.clip_grad_norm_(model, settings.clip_grad_norm)
-        # whole, also where no process holds a whole gradient (zero2 gathers its shards)
+        # whole, also where no process holds a whole gradient (zero2, zero3 gather their shards)
         grads.append([None if g is None else g.detach().to("cpu", copy=True) for g in par.gradients(model)])
         par.step(optimizer)
-        after.append([p.detach().to("cpu", copy=True) for p in params])
-    return {"names": [n for n, _ in inner.named_parameters()], "losses": losses, "grads": grads, "params": after}
+        state = inner.state_dict()  # the weights whole, also where each process holds a shard (zero3 gathers them)
+        after.append([state[n].detach().to("cpu", copy=True) for n in names])
+    return {"names": names, "losses": losses, "grads": grads, "params": after}
 
 
 def _to_float64(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

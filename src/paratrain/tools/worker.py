@@ -1,4 +1,4 @@
-"""One rank of a ``ddp:N`` (or ``zero1:N``, ``zero2:N``) configuration of verify or bench; started by
+"""One rank of a ``ddp:N`` (or ``zero1:N``, ``zero2:N``, ``zero3:N``) configuration of verify or bench; started by
 :func:`paratrain.tools.runner.run_config`.
 
     python -m torch.distributed.run --nproc-per-node 2 -m paratrain.tools.worker JOB.json

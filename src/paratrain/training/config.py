@@ -52,7 +52,8 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
     strategy: str = setting(
         "auto",
         "how to run: single (one device), dp (several devices, one process), ddp (one process per device), "
-        "zero1 / zero2 (as ddp, with the optimizer state / and the gradients sharded across the processes); "
+        "zero1 / zero2 (as ddp, with the optimizer state / and the gradients sharded across the processes), zero3 "
+        "(and the weights too: fully sharded); "
         "auto: ddp under a launcher or over several GPUs, dp over a list of devices, else single",
         check=one_of(STRATEGY_NAMES),
         choices=STRATEGY_NAMES,

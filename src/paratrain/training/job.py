@@ -64,8 +64,11 @@ def evaluate(par: Parallel, model: nn.Module, data: TensorData, batch_size: int 
     device = par.device
     indices = par.shard(torch.arange(len(data)))
     correct = torch.zeros((), dtype=torch.int64, device=device)
+    # every process runs as many forwards (zero3's gather the weights, a collective): chunks of its share, as many
+    # as the largest share needs
+    largest = -(-len(data) // par.world_size)
     with torch.no_grad():
-        for chunk in indices.split(batch_size):
+        for chunk in indices.tensor_split(max(1, -(-largest // batch_size))):
             x = data.inputs[chunk].to(device, non_blocking=True)
             y = data.targets[chunk].to(device, non_blocking=True)
             correct += (model(x).argmax(dim=1) == y).sum()
@@ -289,12 +292,15 @@ class _Run:
     def _step_meter(self, model: nn.Module) -> StepMeter:
         """The log line's meter, with one count of a step's FLOPs (main process: the one that prints)."""
         device_count = len(self.par.world_devices())  # a collective under ddp: every process asks
-        if not self.par.is_main:
+        # zero3's forward gathers the weights (a collective): every process then runs the counted forward
+        if not self.par.is_main and self.par.strategy_name != "zero3":
             return StepMeter(self.par.device, None, None)
         config, data = self.config, self.splits.train
         # FLOPs grow with the batch: count one process's share (or less) and scale to the global batch
         share = min(-(-config.batch_size // self.par.world_size), len(data))
         counted = step_flops(self.par.unwrap(model), data.inputs[:share].to(self.par.device))
+        if not self.par.is_main:
+            return StepMeter(self.par.device, None, None)
         flops = counted * config.batch_size / share if counted else None
         peak = peak_flops(self.par.device, config.precision)
         return StepMeter(self.par.device, flops, peak * device_count if peak is not None else None)

@@ -1,0 +1,582 @@
+"""Fully sharded data parallel (ZeRO stage 3, ``zero3``): the weights themselves split across ranks, unit by unit.
+
+    torchrun --nproc-per-node 4 train.py            # or: paratrain launch; or Parallel("zero3") in train.py
+    model = FullyShardedDataParallel(model)          # after torch.distributed.init_process_group()
+    optimizer = shard_optimizer(torch.optim.AdamW(model.module.parameters()), model)   # what par.prepare() does
+    loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+
+The model is cut into units of whole modules (:mod:`paratrain.sharded.units`). Each unit's parameters are laid out
+in one flat buffer padded to ``world_size`` equal parts (:mod:`paratrain.sharded.partition`); rank ``r`` keeps part
+``r`` only, the unit's *shard*, which its optimizer updates in place. Hooks on the user's own modules do the rest,
+so the model runs the same whether called through the wrapper or directly:
+
+- before a unit's forward its weights are all-gathered into the flat buffer and its parameters become views of
+  it; after the forward the buffer's storage is released (``reshard_after_forward``; the root keeps its weights
+  through a training forward, its backward comes first); between uses a parameter keeps its shape and reads NaN;
+- a hook on the unit's outputs gathers the weights again before its backward; once every gradient of the unit
+  has arrived they are divided by the world size (as our DDP divides them) and summed by a reduce-scatter into
+  this rank's part of the shard's gradient. Gradients add up across backwards as ``.grad`` does, in ddp's order:
+  a gradient kept from an earlier backward is gathered back as the next one begins, autograd's added to it, and
+  the sum divided and reduced again. Inside ``no_sync`` the unit's whole gradients are kept, and reduced by the
+  next synchronising backward;
+- the next unit's all-gather is started while the current one computes (``prefetch`` units ahead, in the order
+  the first training forward ran them; backwards in reverse).
+
+Each rank holds its shards, one unit's whole weights (plus those prefetched) and the root's: at two ranks the
+parameters after each step are our DDP's bit for bit (docs/sharding.md). A model built on the meta device is
+materialised here unit by unit, each rank keeping its shard only (:func:`materialize_units`).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
+from paratrain.comm.process_groups import no_python_in_work, to_seconds
+from paratrain.ddp.setup import agree_at_start_up
+from paratrain.errors import ConfigError, DistributedError
+from paratrain.sharded.flat_unit import ShardedUnit
+from paratrain.sharded.grad_norm import norm_terms
+from paratrain.sharded.meta_init import check_same_everywhere, materialize_units
+from paratrain.sharded.optimizer import OwnedPiece
+from paratrain.sharded.reducer import all_gather_into, reduce_scatter_into
+from paratrain.sharded.units import DEFAULT_MIN_PARAMS, UnitPlan, UnitSpec, plan_units
+from paratrain.tree import flatten
+
+__all__ = ["MAX_REDUCING", "FullyShardedDataParallel"]
+
+MAX_REDUCING = 2  # units whose reduce-scatter may run at once; each holds the unit's whole gradient meanwhile
+
+
+def _queue_end_of_backward(callback: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+@dataclass
+class _Reducing:
+    unit: ShardedUnit
+    work: Any
+    seq: int
+    out: torch.Tensor
+
+
+class FullyShardedDataParallel(nn.Module):
+    """The model's weights, gradients and optimizer state sharded across ranks, unit by unit (module docstring).
+
+    Args:
+        module: the model, on this process's device (or on the meta device: materialised here, see
+            :func:`materialize_units`).
+        units: the module classes and qualified names that become units (None: the default policy of
+            :mod:`paratrain.sharded.units`, blocks of at least ``min_params`` parameters).
+        min_params: the default policy's smallest block.
+        reshard_after_forward: release each unit's gathered weights after its forward (False: keep them until
+            its backward ends, which saves the second all-gather at the cost of memory).
+        prefetch: how many units ahead to start gathering while one computes (0: none).
+        device: where a meta-device model is materialised (default: this process's GPU, or the CPU).
+        process_group: the group to shard over (default: the whole world).
+        timeout, hang_report: as for :class:`~paratrain.ddp.distributed.DistributedDataParallel`.
+
+    Raises:
+        DistributedError: torch.distributed is not initialised, or the ranks' parameters differ.
+        ConfigError: units that do not fit the model, or a negative ``prefetch``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        units: UnitSpec | None = None,
+        *,
+        min_params: int = DEFAULT_MIN_PARAMS,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        device: torch.device | None = None,
+        process_group: Any = None,
+        broadcast_buffers: bool = True,
+        timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
+        hang_report: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DistributedError(
+                "FullyShardedDataParallel needs torch.distributed: call torch.distributed.init_process_group() "
+                "first, in every process (started by `paratrain launch` or torchrun), or use paratrain.Parallel"
+            )
+        if prefetch < 0:
+            raise ConfigError(f"prefetch counts units gathered ahead: 0 or more; found {prefetch}")
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.forward_sync_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._timeout = to_seconds(timeout)
+        meta = any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers())
+        self._control = self._control_device(device)
+        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+        namespace = agree_at_start_up(self.process_group, signature, self._timeout, self._control)
+        self.monitor = CollectiveMonitor(
+            self.process_group, self._timeout, namespace=namespace.replace("ddp-", "zero3-"), report_path=hang_report
+        )
+        self._finalizer = weakref.finalize(self, self.monitor.close)
+        plan = plan_units(module, units, min_params)
+        if not meta:
+            self._broadcast(list(module.parameters()) + list(module.buffers()), "start-up broadcast of rank 0's state")
+        self.replaced: dict[int, nn.Parameter] = {}  # meta parameters (by id) -> those that replaced them
+        if meta:
+            target = device if device is not None else self._control
+            self.units, self.replaced = materialize_units(module, plan, target, self.rank, self.world_size)
+            check_same_everywhere(self.units, self.process_group, self._control)
+        else:
+            self.units = [self._shard_unit(i, unit_plan) for i, unit_plan in enumerate(plan)]
+        self.params = [p for unit in self.units for p in unit.params]
+        self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
+        self._sync = True  # the backward to come reduces (set by each training forward)
+        self._callback_queued = False
+        self._reducing: list[_Reducing] = []
+        self._order: list[int] | None = None  # the units in the order the first training forward ran them
+        self.prefetched = {"forward": 0, "backward": 0}  # all-gathers started ahead of their unit
+        self._recording: list[int] | None = None
+        self._synchronised: list[Callable[[], None]] = []
+        self._sharded_state = False  # state_dict() as stored: the parameters left as they rest (checkpoints)
+        self._handles: list[RemovableHandle] = []
+        self._install()
+
+    # -- set-up -----------------------------------------------------------------------------------------------
+
+    def _shard_unit(self, index: int, plan: UnitPlan) -> ShardedUnit:
+        """A unit of the model's parameters as they are (rank 0's, broadcast): this rank keeps its part."""
+        unit = ShardedUnit(index, plan, self.rank, self.world_size)
+        with torch.no_grad():
+            for p, view in zip(unit.params, unit.views, strict=True):
+                view.copy_(p)
+        unit.keep_own_part()
+        unit.free()
+        return unit
+
+    def _control_device(self, device: torch.device | None) -> torch.device:
+        if dist.get_backend(self.process_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return device if device is not None and device.type != "meta" else torch.device("cpu")
+
+    def _broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        """Rank 0's values of ``tensors`` everywhere, one flat message per dtype and device."""
+        if self.world_size == 1 or not tensors:
+            return
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        source = dist.get_global_rank(self.process_group, 0)  # type: ignore[arg-type]
+        with torch.no_grad():
+            for members in groups.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in members])
+                seq = self.monitor.launched()
+                work = dist.broadcast(flat, src=source, group=self.process_group, async_op=True)
+                self.monitor.wait(work, seq, what)
+                for t, piece in zip(members, flat.split([t.numel() for t in members]), strict=True):
+                    t.copy_(piece.view_as(t))
+
+    def _install(self) -> None:
+        ref = weakref.ref(self)
+        root = self.module
+        self._handles.append(root.register_forward_pre_hook(functools.partial(_root_pre_forward, ref)))
+        post = root.register_forward_hook(functools.partial(_root_post_forward, ref))
+        for unit in self.units:
+            self._handles += [
+                unit.module.register_forward_pre_hook(functools.partial(_pre_forward, ref, unit), with_kwargs=True),
+                unit.module.register_forward_hook(functools.partial(_post_forward, ref, unit)),
+            ]
+            for i in unit.trainable:
+                hook = functools.partial(_on_grad, ref, unit, i)
+                self._handles.append(unit.params[i].register_post_accumulate_grad_hook(hook))
+        self._handles += [
+            post,
+            root.register_state_dict_post_hook(functools.partial(_gathered_state, ref)),
+            root.register_load_state_dict_pre_hook(functools.partial(_before_load, ref)),
+            root.register_load_state_dict_post_hook(functools.partial(_after_load, ref)),
+        ]
+
+    # -- the step ---------------------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    def _start_forward(self) -> None:
+        """The root's forward begins: buffers from rank 0 (DDP's rule), and a training forward's backward state."""
+        grad = torch.is_grad_enabled()
+        sync = grad and self.require_backward_grad_sync
+        if self.forward_sync_buffers and self.require_forward_param_sync:
+            buffers = list(self.module.buffers())
+            if buffers:
+                self._broadcast(buffers, "buffer broadcast")
+        self.require_forward_param_sync = sync
+        if not grad:
+            return
+        self._sync = sync
+        for unit in self.units:
+            unit._reset_backward()
+        self._recording = [] if self._order is None else None
+
+    def _gather(self, unit: ShardedUnit) -> None:
+        unit.launch_gather(self.process_group, self.monitor)
+        unit.wait_gather(self.monitor)
+        unit.use()
+
+    def _prefetch_from(self, unit: ShardedUnit, backward: bool) -> None:
+        if not self.prefetch or self._order is None:
+            return
+        order = self._order[::-1] if backward else self._order
+        if unit.index not in order:
+            return
+        at = order.index(unit.index)
+        for index in order[at + 1 : at + 1 + self.prefetch]:
+            ahead = self.units[index]
+            if (backward and ahead.backward_started) or ahead.gathered or ahead.gathering is not None:
+                continue
+            ahead.launch_gather(self.process_group, self.monitor)
+            self.prefetched["backward" if backward else "forward"] += 1
+
+    def _pre_forward(self, unit: ShardedUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._recording is not None and unit.index not in self._recording:
+            self._recording.append(unit.index)
+        self._gather(unit)
+        self._prefetch_from(unit, backward=False)
+        if not torch.is_grad_enabled():
+            return None
+        leaves, _ = flatten((args, kwargs))
+        needing = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needing and unit is not self._root_unit():
+            # the unit's backward is over when its inputs' gradients are computed (and its weights' arrived)
+            unit.waits_for_inputs = True
+            unit.inputs_done = False
+            hook = functools.partial(_inputs_done, weakref.ref(self), unit)
+            torch.autograd.graph.register_multi_grad_hook(needing, hook, mode="all")
+        return None
+
+    def _root_unit(self) -> ShardedUnit | None:
+        return self.units[0] if self.units and self.units[0].module is self.module else None
+
+    def _post_forward(self, unit: ShardedUnit, output: Any) -> None:
+        training = torch.is_grad_enabled()
+        if training:
+            ref = weakref.ref(self)
+            for t in flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(functools.partial(_pre_backward, ref, unit))
+        if unit is self._root_unit() and training:
+            return  # its backward comes first
+        if self.reshard_after_forward or not training:
+            unit.free()
+
+    def _end_forward(self) -> None:
+        if self._recording is not None and torch.is_grad_enabled():
+            self._order, self._recording = self._recording, None
+
+    def _begin_backward(self) -> None:
+        if not self._callback_queued:
+            _queue_end_of_backward(self._finish)
+            self._callback_queued = True
+
+    def _pre_backward(self, unit: ShardedUnit) -> None:
+        self._begin_backward()
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        self._gather(unit)
+        self._prefetch_from(unit, backward=True)
+
+    def _on_grad(self, unit: ShardedUnit, i: int) -> None:
+        self._begin_backward()
+        if unit.params[i].grad is not None:
+            unit.open_grad(self.process_group, self.monitor)
+        unit.take_grad(i, self._sync)
+        if unit.pending == 0:
+            if self._sync:
+                self._reduce(unit)
+            self._maybe_free_after_backward(unit)
+
+    def _inputs_done(self, unit: ShardedUnit) -> None:
+        unit.inputs_done = True
+        self._maybe_free_after_backward(unit)
+
+    def _maybe_free_after_backward(self, unit: ShardedUnit) -> None:
+        # the unit's backward is over once every gradient of its weights arrived and, if its inputs need
+        # gradients, theirs are computed too (a frozen layer's input gradient still reads its weights)
+        if unit.pending == 0 and (unit.inputs_done or not unit.waits_for_inputs) and unit is not self._root_unit():
+            unit.free()
+
+    def _reduce(self, unit: ShardedUnit) -> None:
+        if unit.reduce_launched or not unit.trainable:
+            return
+        unit.reduce_launched = True
+        unit.open_grad(self.process_group, self.monitor)
+        unit.divide_missing()
+        while len(self._reducing) >= MAX_REDUCING:
+            self._settle(self._reducing[0])
+        assert unit.grad_full is not None
+        out = torch.empty(unit.part, dtype=unit.dtype, device=unit.device)
+        seq = self.monitor.launched()
+        with no_python_in_work():
+            work = reduce_scatter_into(out, unit.grad_full, self.process_group)
+        self._reducing.append(_Reducing(unit, work, seq, out))
+
+    def _settle(self, reducing: _Reducing) -> None:
+        self.monitor.wait(reducing.work, reducing.seq, f"gradient reduce-scatter of unit {reducing.unit.label}")
+        self._reducing.remove(reducing)
+        reducing.unit.add_reduced(reducing.out)
+
+    def _finish(self) -> None:
+        """End of backward: reduce what is left, wait for every reduce-scatter, release every gathered unit."""
+        self._callback_queued = False
+        try:
+            if self._sync:
+                for unit in self.units:
+                    if unit.backward_started or any(unit.arrived):
+                        self._reduce(unit)
+                for reducing in list(self._reducing):
+                    self._settle(reducing)
+        finally:
+            for unit in self.units:
+                unit.wait_gather(self.monitor)
+                unit.free()
+                unit._reset_backward()
+        if self._sync:
+            for callback in self._synchronised:
+                callback()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate whole gradients locally inside the block; the first backward after it reduces them."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # -- what the sharded optimizer works on (sharded_optimizer.ShardSource) --------------------------------------
+
+    @property
+    def bucket_count(self) -> int:
+        return len(self.units)
+
+    def all_pieces(self) -> list[OwnedPiece]:
+        """This rank's pieces of every parameter (frozen ones too), unit by unit: views of the shards."""
+        pieces = []
+        for unit in self.units:
+            for piece in unit.pieces():
+                value = unit.shard.narrow(0, piece.offset, piece.length)
+                pieces.append(OwnedPiece(unit.params[piece.param], unit.index, piece.start, value))
+        return pieces
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        return [piece for piece in self.all_pieces() if piece.param.requires_grad]
+
+    def trains(self, param: torch.Tensor) -> bool:
+        return id(param) in self._unit_of and param.requires_grad
+
+    def piece_grad(self, piece: OwnedPiece) -> torch.Tensor | None:
+        unit = self.units[piece.bucket]
+        if unit.shard_grad is None:
+            return None
+        offset = piece.value.storage_offset() - unit.shard.storage_offset()
+        return unit.shard_grad.narrow(0, offset, piece.length)
+
+    def launch_gather(self, bucket: int) -> None:
+        """Nothing to do: the shards are the weights; the next forward gathers them."""
+
+    def wait_gathers(self) -> None:
+        """Nothing to wait for (see :meth:`launch_gather`)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        """Clear this rank's gradients, and the whole gradients kept inside ``no_sync``."""
+        for unit in self.units:
+            unit.grad_full = None
+            unit.holds = [False] * len(unit.params)
+            if set_to_none:
+                unit.shard_grad = None
+            elif unit.shard_grad is not None:
+                unit.shard_grad.zero_()
+
+    def agree_found_inf(self, found: dict[torch.device, torch.Tensor]) -> None:
+        """The gradient scaler's per-device inf/nan flags, made the maximum over every rank (in place)."""
+        if not found:
+            found[self._control] = torch.zeros(1, dtype=torch.float32, device=self._control)
+        for flag in found.values():
+            mine = flag.to(self._control)
+            seq = self.monitor.launched()
+            work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+            self.monitor.wait(work, seq, "inf/nan check of the scaled gradients")
+            flag.copy_(mine)
+
+    def on_synchronised(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` at the end of every backward that reduced gradients (optimizers assign theirs)."""
+        self._synchronised.append(callback)
+
+    # -- global views ----------------------------------------------------------------------------------------
+
+    def shard_norm_terms(self, pieces: Sequence[OwnedPiece], norm_type: float) -> torch.Tensor:
+        terms = [g for piece in pieces if (g := self.piece_grad(piece)) is not None]
+        return norm_terms(terms, norm_type, self._control)
+
+    def _all_gather(self, unit: ShardedUnit, part: torch.Tensor, what: str) -> torch.Tensor:
+        whole = torch.empty(unit.layout.padded, dtype=unit.dtype, device=unit.device)
+        seq = self.monitor.launched()
+        self.monitor.wait(all_gather_into(whole, part, self.process_group), seq, what)
+        return whole
+
+    def full_gradients(self) -> dict[int, torch.Tensor | None]:
+        """Every parameter's whole reduced gradient by ``id`` (a collective: every rank calls it), for checks."""
+        grads: dict[int, torch.Tensor | None] = {}
+        for unit in self.units:
+            part = unit.shard_grad if unit.shard_grad is not None else torch.zeros_like(unit.shard)
+            whole = self._all_gather(unit, part, f"gradients of unit {unit.label}")
+            for i, p in enumerate(unit.params):
+                has = unit.shard_grad is not None and p.requires_grad
+                grads[id(p)] = whole.narrow(0, unit.offsets[i], p.numel()).view_as(p).clone() if has else None
+        return grads
+
+    @contextmanager
+    def sharded_state(self) -> Iterator[None]:
+        """Inside, ``state_dict()`` leaves the parameters as they rest (no gathering): for checkpoints."""
+        previous, self._sharded_state = self._sharded_state, True
+        try:
+            yield
+        finally:
+            self._sharded_state = previous
+
+    def gathered_state(self, state: dict[str, Any], prefix: str) -> None:
+        """Replace the parameters of ``state`` (a state dict of the root, keys under ``prefix``) by whole copies,
+        unit by unit (a collective)."""
+        by_id: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(prefix + name)
+        for unit in self.units:
+            was = unit.gathered and unit.gathering is None
+            self._gather(unit)
+            for p, view in zip(unit.params, unit.views, strict=True):
+                for key in by_id.get(id(p), []):
+                    if key in state:
+                        state[key] = view.detach().clone()
+            if not was:
+                unit.free()
+
+    def gather_all(self) -> None:
+        """Every unit's whole weights, the parameters views of them (before a load_state_dict writes into them)."""
+        for unit in self.units:
+            self._gather(unit)
+
+    def scatter_all(self) -> None:
+        """Keep this rank's part of every unit's (just written) weights, and release the rest."""
+        for unit in self.units:
+            unit.keep_own_part()
+            unit.free()
+
+    def close(self) -> None:
+        """Detach the hooks from the user's modules and stop background work (before the group is destroyed).
+
+        The parameters stay as they rest (their shapes, reading NaN): nothing is gathered, the model may not fit
+        whole. Take what is needed before: ``state_dict()`` (whole tensors) or a checkpoint (``Parallel.save``).
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._finalizer()
+
+    # -- what DDP offers and this wrapper does not ------------------------------------------------------------
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(
+            "join() is not supported under zero3: give every rank the same number of batches (a prepared loader "
+            "does), or use strategy ddp for uneven inputs"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise DistributedError(
+            "a FullyShardedDataParallel cannot be pickled: save its state through Parallel.save (a sharded "
+            "checkpoint), or model.state_dict() (gathered, in every process)"
+        )
+
+    def extra_repr(self) -> str:
+        shown = ", ".join(u.name or "(root)" for u in self.units[:6]) + (", ..." if len(self.units) > 6 else "")
+        return (
+            f"rank={self.rank}, world_size={self.world_size}, units=[{shown}], "
+            f"reshard_after_forward={self.reshard_after_forward}, prefetch={self.prefetch}"
+        )
+
+
+# -- hooks: module-level functions holding the wrapper weakly (the user's modules outlive nothing of ours) -------
+
+Ref = weakref.ref[FullyShardedDataParallel]
+
+
+def _root_pre_forward(ref: Ref, module: nn.Module, args: tuple[Any, ...]) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper._start_forward()
+
+
+def _root_post_forward(ref: Ref, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper._end_forward()
+
+
+def _pre_forward(ref: Ref, unit: ShardedUnit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    wrapper = ref()
+    return wrapper._pre_forward(unit, args, kwargs) if wrapper is not None else None
+
+
+def _post_forward(ref: Ref, unit: ShardedUnit, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper._post_forward(unit, output)
+
+
+def _pre_backward(ref: Ref, unit: ShardedUnit, grad: torch.Tensor) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper._pre_backward(unit)
+
+
+def _on_grad(ref: Ref, unit: ShardedUnit, i: int, param: torch.Tensor) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper._on_grad(unit, i)
+
+
+def _gathered_state(ref: Ref, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    wrapper = ref()
+    if wrapper is not None and not wrapper._sharded_state:
+        wrapper.gathered_state(state, prefix)
+
+
+def _before_load(ref: Ref, module: nn.Module, *args: Any) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper.gather_all()
+
+
+def _after_load(ref: Ref, module: nn.Module, incompatible: Any) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper.scatter_all()
+
+
+def _inputs_done(ref: Ref, unit: ShardedUnit, grads: Sequence[torch.Tensor | None]) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper._inputs_done(unit)

@@ -1,0 +1,224 @@
+"""``zero3``: one process per device as under ddp, with the weights, gradients and optimizer state all sharded.
+
+A loop runs unchanged; the options are the strategy object's::
+
+    par = Parallel("zero3")                                        # under paratrain launch / torchrun
+    par = Parallel(Zero3Strategy(units=[Block], prefetch=2))       # the user's units, two all-gathers ahead
+    model, optimizer, loader = par.prepare(model, optimizer, loader)   # optimizer: same class, this rank's shard
+    par.save({"model": model, "optimizer": optimizer, "step": step}, "runs/a/step-100.pt")   # sharded checkpoint
+
+The model must be prepared before (or in the same call as) its optimizer. The prepared model's ``state_dict()``
+gathers whole tensors (a collective: every process calls it); ``par.save``/``par.load`` read and write each
+process's shards only. A model built under ``torch.device("meta")`` is materialised by ``prepare``, unit by unit.
+See :mod:`paratrain.sharded.fully_sharded`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.checkpoint.sharded import LocalSlices, StoredTensor, materialize
+from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
+from paratrain.environment import ClusterEnvironment
+from paratrain.errors import CheckpointError, ConfigError
+from paratrain.sharded.fully_sharded import FullyShardedDataParallel
+from paratrain.sharded.grad_norm import clip_with_norm
+from paratrain.sharded.optimizer import OwnedPiece, ShardedOptimizer, shard_optimizer
+from paratrain.sharded.units import DEFAULT_MIN_PARAMS, UnitSpec
+from paratrain.strategies.ddp import DistributedStrategy
+
+__all__ = ["Zero3Strategy"]
+
+
+class Zero3Strategy(DistributedStrategy):
+    """Fully sharded data parallel across processes (module docstring).
+
+    Args:
+        device_type, timeout, environment, hang_report: as for :class:`DistributedStrategy`.
+        units: module classes and qualified module names that become units (None: every block of a
+            ``ModuleList``/``Sequential`` with at least ``min_params`` parameters; the root holds the rest).
+        min_params: the default policy's smallest block.
+        reshard_after_forward: release each unit's gathered weights after its forward (False: after its backward).
+        prefetch: units gathered ahead of the one computing (0: none).
+    """
+
+    name: ClassVar[str] = "zero3"
+
+    def __init__(
+        self,
+        device_type: str = "auto",
+        *,
+        units: UnitSpec | None = None,
+        min_params: int = DEFAULT_MIN_PARAMS,
+        reshard_after_forward: bool = True,
+        prefetch: int = 1,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        environment: ClusterEnvironment | None = None,
+        hang_report: str | None = None,
+    ) -> None:
+        super().__init__(device_type, timeout=timeout, environment=environment, hang_report=hang_report)
+        self.units = list(units) if units is not None else None
+        self.min_params = min_params
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self._sharded: list[FullyShardedDataParallel] = []
+
+    def describe(self) -> str:
+        return f"zero3, {self.world_size} processes, on {self._device.type}"
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+        if not on_meta:
+            model = model.to(self._device)
+        wrapped = FullyShardedDataParallel(
+            model,
+            self.units,
+            min_params=self.min_params,
+            reshard_after_forward=self.reshard_after_forward,
+            prefetch=self.prefetch,
+            device=self._device,
+            timeout=self._timeout,
+            hang_report=self._hang_report,
+        )
+        self._sharded.append(wrapped)
+        return wrapped
+
+    # -- what the ddp strategy finds among its DDP wrappers ----------------------------------------------------
+
+    @property
+    def failure(self) -> str | None:
+        mine = next((w.monitor.failure for w in self._sharded if w.monitor.failure is not None), None)
+        return mine if mine is not None else super().failure
+
+    @property
+    def collective_wait_seconds(self) -> float:
+        return super().collective_wait_seconds + sum(w.monitor.waited for w in self._sharded)
+
+    def teardown(self, clean: bool = True) -> None:
+        failure = self.failure  # read before the wrappers go: the ddp teardown then leaves a failed group alone
+        for wrapped in self._sharded:
+            wrapped.close()
+        if failure is None:
+            self._sharded.clear()
+        super().teardown(clean)
+
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        self.check_prepared(model, "no_sync()")
+        with self.wrapper_of(model, "no_sync()").no_sync():
+            yield
+
+    def wrapper_of(self, model: nn.Module, what: str) -> FullyShardedDataParallel:
+        """The wrapper this strategy put around ``model`` (given as prepared, or as the user's module)."""
+        found = next((w for w in self._sharded if w is model or w.module is model), None)
+        if found is None:
+            raise ConfigError(
+                f"{what} under zero3 takes the model par.prepare() returned (or the module inside it), whose "
+                f"weights are sharded across ranks; found a {type(model).__name__} it did not prepare"
+            )
+        return found
+
+    # -- the optimizer ----------------------------------------------------------------------------------------
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        for wrapper in self._sharded:  # an optimizer built over a meta model: its parameters were replaced
+            if wrapper.replaced:
+                for group in optimizer.param_groups:
+                    group["params"] = [wrapper.replaced.get(id(p), p) for p in group["params"]]
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owners = [w for w in self._sharded if any(id(p) in params for p in w.params)]
+        if len(owners) != 1:
+            why = "no model prepared so far holds its parameters" if not owners else "it spans several models"
+            raise ConfigError(
+                f"under zero3 an optimizer is sharded like the one model it trains, but {why}: prepare the model "
+                f"first, in the same call or before (par.prepare(model, optimizer)), one optimizer per model"
+            )
+        return shard_optimizer(optimizer, owners[0])
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, ShardedOptimizer):
+            return optimizer.sharded_state_dict()
+        return super().optimizer_state(optimizer)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        if isinstance(optimizer, ShardedOptimizer):
+            optimizer.load_state_dict(state)  # reads only the slices of this rank's pieces
+            return
+        optimizer.load_state_dict(materialize(state))
+
+    # -- the global gradient ----------------------------------------------------------------------------------
+
+    def clip_grad_norm_(self, module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient; its norm is summed from every rank's pieces (in float64, as ddp's is)."""
+        wrapper = self.wrapper_of(module, "clip_grad_norm_()")
+        pieces = wrapper.owned_pieces()
+        terms = wrapper.shard_norm_terms(pieces, float(norm_type))
+        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+        self._run("all_reduce of the gradient norm", lambda: dist.all_reduce(terms, op=op, async_op=True))
+        grads = [g for piece in pieces if (g := wrapper.piece_grad(piece)) is not None]
+        dtype = wrapper.units[0].dtype if wrapper.units else torch.float32
+        return clip_with_norm(terms.to(self._device), grads, max_norm, float(norm_type), dtype)
+
+    def gradients(self, model: nn.Module) -> list[torch.Tensor | None]:
+        wrapper = self.wrapper_of(model, "gradients()")
+        whole = wrapper.full_gradients()
+        return [whole.get(id(p)) for p in wrapper.module.parameters()]
+
+    # -- checkpoints: every rank its own slices, unit by unit -------------------------------------------------
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The model's state dict with every parameter as this rank's slices of it (nothing gathered)."""
+        wrapper = self.wrapper_of(model, "saving the model")
+        mine: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for piece in wrapper.all_pieces():
+            mine.setdefault(id(piece.param), []).append((piece.start, piece.value))
+        with wrapper.sharded_state():
+            state = wrapper.module.state_dict()
+        for key, p in wrapper.module.named_parameters(remove_duplicate=False):
+            if key in state:
+                state[key] = LocalSlices(tuple(p.shape), p.dtype, list(mine.get(id(p), [])))
+        return state
+
+    def load_model_state(self, model: nn.Module, state: Mapping[str, Any]) -> None:
+        """Fill this rank's shards from a checkpoint's model state (any strategy's), reading only its slices."""
+        wrapper = self.wrapper_of(model, "loading the model")
+        module = wrapper.module
+        with wrapper.sharded_state():
+            expected = set(module.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"the checkpoint's model state does not fit this model: missing {missing[:6]}, unexpected "
+                f"{unexpected[:6]}; build the same model as the run that saved it"
+            )
+        key_of: dict[int, str] = {}
+        for key, p in module.named_parameters(remove_duplicate=False):
+            key_of.setdefault(id(p), key)  # a tied parameter: its first name (every name holds the same values)
+        with torch.no_grad():
+            for piece in wrapper.all_pieces():
+                key = key_of[id(piece.param)]
+                piece.value.copy_(_slice(state[key], piece, key))
+        buffers = dict(module.named_buffers())
+        with torch.no_grad():
+            for key, value in state.items():
+                if key in buffers:
+                    buffers[key].copy_(materialize(value))
+
+
+def _slice(value: Any, piece: OwnedPiece, key: str) -> torch.Tensor:
+    """Elements ``[piece.start, piece.start + length)`` of the saved tensor ``value`` (stored lazily, or whole)."""
+    shape = tuple(piece.param.shape)
+    if isinstance(value, StoredTensor):
+        if value.shape != shape:
+            raise CheckpointError(f"the checkpoint's {key} has shape {value.shape}; this model's is {shape}")
+        return value.read(piece.start, piece.length).to(piece.value.device)
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+        found = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise CheckpointError(f"the checkpoint's {key} is {found}; this model's is a tensor of shape {shape}")
+    return value.reshape(-1).narrow(0, piece.start, piece.length).to(piece.value.device)
