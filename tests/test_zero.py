@@ -56,6 +56,21 @@ def test_gradients_add_up_across_synchronised_backwards_as_under_ddp(two):
         assert between["zero2_collectives"] == found["adamw, zero_grad(set_to_none=True)"]["zero2_collectives"]
 
 
+def test_torchs_own_utilities_on_zero2s_sharded_gradients_raise_naming_the_fix(two):
+    """nanoGPT's clip on model.parameters() returned 0.0 and clipped nothing: now it stops at its first call."""
+    for rank in two:
+        found = rank["torch_utilities"]
+        for use in (
+            "torch clip_grad_norm_",
+            "torch clip_grad_value_",
+            "a hand-written norm",
+            "an optimizer never prepared",
+        ):
+            assert "under zero2 no rank holds a parameter's whole gradient" in found[use], (use, found[use])
+            assert "par.clip_grad_norm_(model, max_norm)" in found[use]
+            assert found[f"{use}: trains on"]
+
+
 def test_the_optimizer_state_is_sharded(two):
     for rank in two:
         for config, r in rank["exactness"].items():

@@ -78,7 +78,7 @@ def test_a_rank_holds_its_shards_and_parts_of_the_gradients(two):
         assert r["gathered_after_backward"] == [False, False, False]
         assert r["storage_after_backward"] == [0, 0, 0]
         assert r["grad_parts"] == r["parts"]  # the reduced gradient: this rank's part of each unit
-        assert r["whole_grads_gone"]
+        assert r["whole_grads_gone"]  # each .grad a placeholder without storage: its use raises
         assert r["model_numel"] / 2 <= r["shard_numel"] < r["model_numel"] / 2 + 3 * 4
         assert r["params_keep_shape"] and r["params_read_nan"]  # between uses: the shapes, no values
         # two moments of this rank's half of the elements (its parts less the padding that ends some of them)
@@ -128,3 +128,16 @@ def test_a_meta_model_is_materialised_as_a_plain_build_and_trains_as_ddp(two):
 def test_two_ranks_reduce_the_gradients_bit_for_bit_as_ddp(two):
     for rank in two:
         assert rank["gradients"]["bitwise"] and rank["gradients"]["moved"]
+
+
+def test_torchs_own_utilities_on_zero3s_sharded_gradients_raise_naming_the_fix(two):
+    for rank in two:
+        found = rank["torch_utilities"]
+        for use in (
+            "torch clip_grad_norm_",
+            "torch clip_grad_value_",
+            "a hand-written norm",
+            "an optimizer never prepared",
+        ):
+            assert "under zero3 no rank holds a parameter's whole gradient" in found[use], (use, found[use])
+            assert found[f"{use}: trains on"]

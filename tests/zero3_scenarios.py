@@ -17,9 +17,10 @@ from torch.nn import functional as F
 import paratrain
 from paratrain.checkpoint.sharded import is_sharded_checkpoint
 from paratrain.sharded.fully_sharded import FullyShardedDataParallel
+from paratrain.sharded.guard import ShardedGradient
 from paratrain.strategies import Zero3Strategy
 from zero_scenarios import model as mlp
-from zero_scenarios import optimizer_for
+from zero_scenarios import optimizer_for, torch_utilities
 
 GLOBAL_BATCH = 24
 STEPS = 3
@@ -267,7 +268,9 @@ def memory_and_layout(rank: int, world: int) -> dict[str, Any]:
             "storage_after_backward": [u.full.untyped_storage().nbytes() for u in net.units],
             "grad_parts": [u.shard_grad.numel() if u.shard_grad is not None else None for u in net.units],
             "parts": [u.part for u in net.units],
-            "whole_grads_gone": all(p.grad is None and u.grad_full is None for u in net.units for p in u.params),
+            "whole_grads_gone": all(
+                isinstance(p.grad, ShardedGradient) and u.grad_full is None for u in net.units for p in u.params
+            ),
         }
         par.step(opt)
         found["shard_numel"] = sum(u.shard.numel() for u in net.units)
@@ -400,6 +403,7 @@ def two_ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
         "checkpoints": checkpoints(rank, world, directory),
         "resume_elsewhere": resume_elsewhere(rank, world, directory),
         "meta": meta_init(rank, world),
+        "torch_utilities": torch_utilities(rank, world, "zero3"),
     }
 
 

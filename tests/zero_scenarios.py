@@ -21,6 +21,7 @@ from paratrain.checkpoint.file import load_checkpoint
 from paratrain.checkpoint.sharded import is_sharded_checkpoint
 from paratrain.comm.process_groups import group_sequence
 from paratrain.errors import CollectiveError, ConfigError
+from paratrain.sharded.guard import ShardedGradient
 from paratrain.sharded.optimizer import ShardedOptimizer
 from paratrain.sharded.reducer import ReduceScatter
 from paratrain.sharded.zero import ZeroDataParallel
@@ -171,7 +172,12 @@ def accumulate_across_backwards(
                 if not zero_grad_after_first_forward:
                     opt.zero_grad(set_to_none=set_to_none)
                 after.append(flat_params(par, net))
-                whole_grads_held.append(any(p.grad is not None for p in par.unwrap(net).parameters()))
+                whole_grads_held.append(
+                    any(
+                        p.grad is not None and not isinstance(p.grad, ShardedGradient)
+                        for p in par.unwrap(net).parameters()
+                    )
+                )
                 collectives.append(group_sequence(dist.group.WORLD) - started)
                 started = group_sequence(dist.group.WORLD)
         return {"after": after, "whole_grads_held": whole_grads_held, "collectives": collectives}
@@ -423,6 +429,41 @@ def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any]
         return "no error"
 
 
+USER_GRADIENT_USES = (
+    "torch clip_grad_norm_",
+    "torch clip_grad_value_",
+    "a hand-written norm",
+    "an optimizer never prepared",
+)
+
+
+def torch_utilities(rank: int, world: int, strategy: str = "zero2") -> dict[str, Any]:
+    """A user's own lines on gradients after par.backward: under zero2 (and zero3) each raises, naming the fix."""
+    uses = {
+        "torch clip_grad_norm_": lambda net, opt: torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0),
+        "torch clip_grad_value_": lambda net, opt: torch.nn.utils.clip_grad_value_(net.parameters(), 0.1),
+        "a hand-written norm": lambda net, opt: sum(p.grad.norm() ** 2 for p in net.parameters()),
+        "an optimizer never prepared": lambda net, opt: opt.step(),
+    }
+    found: dict[str, Any] = {}
+    for name, use in uses.items():
+        with paratrain.Parallel(strategy, "cpu") as par:
+            net = model()
+            unprepared = torch.optim.SGD(net.parameters(), lr=0.1)
+            net, opt, loader = par.prepare(net, optimizer_for("sgd", net), batches(1))
+            x, y = next(iter(loader))
+            par.backward(F.cross_entropy(net(x), y))
+            try:
+                use(par.unwrap(net), unprepared)
+                found[name] = "no error"
+            except ConfigError as exc:
+                found[name] = str(exc)
+            opt.zero_grad()
+            par.backward(F.cross_entropy(net(x), y))  # after zero_grad() the next backward trains as before
+            found[f"{name}: trains on"] = bool(float(par.clip_grad_norm_(net, 1.0)) > 0)
+    return found
+
+
 def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Every scenario that leaves the process group usable, in one set of processes (start-up is slow)."""
     return {
@@ -432,6 +473,7 @@ def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
         "gradients_and_overflow": gradients_and_overflow(rank, world),
         "checkpoints": checkpoints(rank, world, directory),
         "tied_checkpoint": tied_checkpoint(rank, world, directory),
+        "torch_utilities": torch_utilities(rank, world),
     }
 
 

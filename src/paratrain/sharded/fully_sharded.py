@@ -48,6 +48,7 @@ from paratrain.ddp.setup import agree_at_start_up
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.flat_unit import ShardedUnit
 from paratrain.sharded.grad_norm import norm_terms
+from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.meta_init import check_same_everywhere, materialize_units
 from paratrain.sharded.optimizer import OwnedPiece
 from paratrain.sharded.reducer import all_gather_into, reduce_scatter_into
@@ -151,6 +152,7 @@ class FullyShardedDataParallel(nn.Module):
         self.prefetched = {"forward": 0, "backward": 0}  # all-gathers started ahead of their unit
         self._recording: list[int] | None = None
         self._synchronised: list[Callable[[], None]] = []
+        self.guard = GradientGuard("zero3")
         self._sharded_state = False  # state_dict() as stored: the parameters left as they rest (checkpoints)
         self._handles: list[RemovableHandle] = []
         self._install()
@@ -225,6 +227,7 @@ class FullyShardedDataParallel(nn.Module):
         self.require_forward_param_sync = sync
         if not grad:
             return
+        self.guard.disarm(p for unit in self.units for p in unit.params)  # autograd may add to .grad again
         self._sync = sync
         for unit in self.units:
             unit._reset_backward()
@@ -354,6 +357,8 @@ class FullyShardedDataParallel(nn.Module):
                 unit.free()
                 unit._reset_backward()
         if self._sync:
+            # no rank holds these gradients whole: a use of .grad by code other than ours raises, naming the fix
+            self.guard.arm(p for unit in self.units if unit.trainable for p in unit.params if p.grad is None)
             for callback in self._synchronised:
                 callback()
 

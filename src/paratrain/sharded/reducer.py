@@ -42,6 +42,7 @@ from paratrain.comm.process_groups import no_python_in_work
 from paratrain.ddp.bucket_collective import BucketCollective
 from paratrain.ddp.buckets import Bucket
 from paratrain.errors import DistributedError
+from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.partition import BucketShards, shard_bucket
 
 __all__ = ["MAX_IN_FLIGHT", "ReduceScatter", "all_gather_into", "reduce_scatter_into"]
@@ -95,6 +96,9 @@ class ReduceScatter(BucketCollective):
         self.views = [self._placeholders[self.bucket_of[i]] for i in range(len(self.params))]
         self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
         self._works: dict[int, tuple[Any, int]] = {}  # each unfinished bucket's Work and collective number
+        # between a synchronised backward and the next forward, a reduced parameter's .grad is a placeholder
+        # whose use raises, naming par.clip_grad_norm_ (torch's own clip would otherwise read None: 0.0)
+        self.guard = GradientGuard("zero2")
 
     # -- buffers that come and go -----------------------------------------------------------------------------
 
@@ -131,6 +135,7 @@ class ReduceScatter(BucketCollective):
         super().zero_slot(index)
 
     def prepare(self, sync: bool) -> None:
+        self.guard.disarm(self.params)  # autograd may add to .grad again
         # what a backward that failed half-way left behind (the next forward starts clean)
         for b in list(self._unfinished):
             self._release(b)
@@ -140,6 +145,7 @@ class ReduceScatter(BucketCollective):
     # -- gradients that add up across synchronised backwards -------------------------------------------------
 
     def backward_started(self) -> None:
+        self.guard.disarm(self.params)
         if self.held:
             self._restore()  # before autograd adds this backward's gradients (but the first, added to)
 
@@ -191,6 +197,7 @@ class ReduceScatter(BucketCollective):
         self.held = any(self.reduced)
         for p in self.params:
             p.grad = None
+        self.guard.arm(p for p, reduced in zip(self.params, self.reduced, strict=True) if reduced)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this rank's gradients: gone (``set_to_none``), or zeros that the next backward adds to."""

@@ -37,6 +37,7 @@ from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.grad_norm import norm_terms
+from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.optimizer import OwnedPiece
 from paratrain.sharded.partition import BucketShards, shard_bucket
 from paratrain.sharded.reducer import ReduceScatter, all_gather_into
@@ -169,7 +170,7 @@ class ZeroDataParallel(DistributedDataParallel):
         for p in self.reducer.params:
             if set_to_none:
                 p.grad = None
-            elif p.grad is not None:
+            elif p.grad is not None and not GradientGuard.armed(p):  # zero2's parts are zeroed below
                 with torch.no_grad():
                     p.grad.zero_()
         if self._scatter is not None:
