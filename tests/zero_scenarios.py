@@ -72,14 +72,21 @@ def train(
     accumulate: int = 1,
     clip: float | None = None,
     schedule: bool = False,
+    schedule_before_prepare: bool = False,
     steps: int = STEPS,
 ) -> dict[str, Any]:
     """Train under ``strategy``; the parameters after every step, the clipping norms, the shard's state size."""
     with paratrain.Parallel(strategy, "cpu", precision=precision) as par:
         net = model()
         opt = optimizer_for(optimizer, net)
+        scheduler = None
+        if schedule_before_prepare:  # the order of many scripts: the scheduler holds the user's optimizer
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        users = opt
         net, opt, loader = par.prepare(net, opt, batches(steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step)) if schedule else None
+        assert opt is users, "prepare returned another optimizer than the user's"
+        if schedule:
+            scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
         after, norms = [], []
         for x, y in loader:
             for xm, ym in par.accumulate(net, (x, y), steps=accumulate):
@@ -101,6 +108,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "sgd momentum, bf16-mixed": {"optimizer": "sgd", "precision": "bf16-mixed"},
     "adamw, bf16-mixed": {"optimizer": "adamw", "precision": "bf16-mixed"},
     "sgd momentum, accumulate 2, clip": {"optimizer": "sgd", "accumulate": 2, "clip": 0.05},
+    "adamw, scheduler built before prepare": {"optimizer": "adamw", "schedule_before_prepare": True},
     "adamw, bf16-mixed, accumulate 3, clip, schedule": {
         "optimizer": "adamw",
         "precision": "bf16-mixed",

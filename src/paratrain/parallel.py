@@ -207,9 +207,10 @@ class Parallel:
         if isinstance(obj, torch.optim.Optimizer):
             # parameters moved in place by .to(), so the optimizer still holds the right ones; a sharded strategy
             # returns one of the same class over this process's shard
+            trains = {id(p) for p in _params_of(obj)}  # the user's parameters (a sharded strategy shards obj in place)
             prepared = self.strategy.wrap_optimizer(obj)
             self._optimizers.append(weakref.ref(prepared))
-            self._trains[id(prepared)] = {id(p) for p in _params_of(obj)}
+            self._trains[id(prepared)] = trains
             self._handles.append(prepared.register_step_pre_hook(self._before_step))
             return prepared
         if isinstance(obj, Iterable):

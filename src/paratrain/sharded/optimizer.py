@@ -188,10 +188,15 @@ def sharded_class(base: type[torch.optim.Optimizer]) -> type[ShardedOptimizer]:
     return type(base.__name__, (ShardedOptimizer, base), {"__module__": __name__, "__doc__": base.__doc__})
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, source: ShardSource) -> ShardedOptimizer:
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer, source: ShardSource, *, in_place: bool = False
+) -> ShardedOptimizer:
     """An optimizer of ``optimizer``'s class over this rank's pieces of its parameters (module docstring).
 
-    State the optimizer already holds (loaded before ``prepare``) is sliced into the pieces.
+    State the optimizer already holds (loaded before ``prepare``) is sliced into the pieces. ``in_place``: the
+    user's optimizer object itself becomes the sharded one and is returned (what ``par.prepare`` does), so that
+    whatever holds it (a learning-rate scheduler built before ``prepare``, the user's own name for it) drives
+    the optimizer that steps.
 
     Raises:
         ConfigError: a class whose update is not elementwise, or a parameter that ``source`` does not hold.
@@ -243,8 +248,38 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, source: ShardSource) -> Sh
     sharded._shard.placeholder = placeholder
     if optimizer.state:
         sharded.load_state_dict(optimizer.state_dict())
+    if in_place:
+        sharded = _become(optimizer, sharded)
     source.on_synchronised(_assigner(sharded))
     return sharded
+
+
+# what the user's optimizer keeps when it becomes the sharded one: its hooks, registered before prepare
+_KEPT = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+         "_optimizer_load_state_dict_post_hooks")  # fmt: skip
+
+
+def _become(optimizer: torch.optim.Optimizer, sharded: ShardedOptimizer) -> ShardedOptimizer:
+    """``optimizer`` (the user's object) made ``sharded``: its class, groups, state and pieces; ``optimizer``."""
+    own = optimizer.__dict__
+    scheduled = getattr(own.get("step"), "_wrapped_by_lr_sched", False)  # a scheduler built before prepare
+    kept = {name: own[name] for name in _KEPT if name in own}
+    own.clear()
+    own.update(sharded.__dict__)
+    own.update(kept)
+    optimizer.__class__ = type(sharded)
+    became: ShardedOptimizer = optimizer  # type: ignore[assignment]
+    if scheduled:
+        # the scheduler wrapped the user's class's step on the instance (to warn when it steps first): the same
+        # wrapper, around the sharded step
+        def step(*args: Any, **kwargs: Any) -> Any:
+            became._opt_called = True  # type: ignore[attr-defined]
+            return type(became).step(became, *args, **kwargs)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        became.step = step  # type: ignore[method-assign]
+    return became
 
 
 def _constructor_arguments(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:

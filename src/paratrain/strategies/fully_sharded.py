@@ -139,7 +139,7 @@ class Zero3Strategy(DistributedStrategy):
                 f"under zero3 an optimizer is sharded like the one model it trains, but {why}: prepare the model "
                 f"first, in the same call or before (par.prepare(model, optimizer)), one optimizer per model"
             )
-        return shard_optimizer(optimizer, owners[0])
+        return shard_optimizer(optimizer, owners[0], in_place=True)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, ShardedOptimizer):

@@ -70,7 +70,7 @@ class ZeroStrategy(DistributedStrategy):
                 f"under {self.name} an optimizer is sharded like the one model it trains, but {why}: prepare the "
                 f"model first, in the same call or before (par.prepare(model, optimizer)), one optimizer per model"
             )
-        return shard_optimizer(optimizer, owners[0])
+        return shard_optimizer(optimizer, owners[0], in_place=True)
 
     # -- the global gradient: its norm, and the whole of it for checks ----------------------------------------
 
