@@ -70,6 +70,12 @@ def test_markdown_and_plot_are_written_beside_the_json(bench_run):
         assert not png.exists() and "matplotlib is not installed" in out.read_text()
 
 
+def _tiny_bench(bench_module, *, steps: int, repeats: int):
+    """bench in this process on a tiny MLP: single and dp over two CPU replicas."""
+    tiny = {"model": "mlp", "width": 8, "depth": 1, "input_shape": "6", "num_classes": 3, "batch_size": 8}
+    return bench_module.bench(**tiny, warmup=0, steps=steps, repeats=repeats, configs=["single", "dp:cpu,cpu"])
+
+
 def test_repeats_run_round_robin_and_report_medians(monkeypatch):
     bench_module = importlib.import_module("paratrain.tools.bench")
 
@@ -81,18 +87,7 @@ def test_repeats_run_round_robin_and_report_medians(monkeypatch):
         return real(mode, settings, config, workdir, extra)
 
     monkeypatch.setattr(bench_module, "run_config", recording)
-    report = bench_module.bench(
-        model="mlp",
-        width=8,
-        depth=1,
-        input_shape="6",
-        num_classes=3,
-        batch_size=8,
-        warmup=0,
-        steps=3,
-        repeats=3,
-        configs=["single", "dp:cpu,cpu"],
-    )
+    report = _tiny_bench(bench_module, steps=3, repeats=3)
     assert order == ["single", "dp:cpu,cpu", "dp:cpu,cpu", "single", "single", "dp:cpu,cpu"]  # rotating
     for timing in report.timings:
         assert len(timing.repeat_step_seconds) == 3
@@ -117,18 +112,7 @@ def test_bad_settings(settings, message):
 def test_each_configuration_computes_on_the_threads_train_would_give_it(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
-    report = importlib.import_module("paratrain.tools.bench").bench(
-        model="mlp",
-        width=8,
-        depth=1,
-        input_shape="6",
-        num_classes=3,
-        batch_size=8,
-        warmup=0,
-        steps=2,
-        repeats=1,
-        configs=["single", "dp:cpu,cpu"],
-    )
+    report = _tiny_bench(importlib.import_module("paratrain.tools.bench"), steps=2, repeats=1)
     cores = available_cores()
     assert report.timing("single").threads_per_process == cores
     assert report.timing("dp:cpu,cpu").threads_per_process == max(1, cores // 2)  # the replicas share the cores

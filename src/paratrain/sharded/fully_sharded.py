@@ -50,7 +50,7 @@ from paratrain.sharded.flat_unit import ShardedUnit
 from paratrain.sharded.grad_norm import norm_terms
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.meta_init import check_same_everywhere, materialize_units
-from paratrain.sharded.optimizer import OwnedPiece
+from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
 from paratrain.sharded.reducer import all_gather_into, reduce_scatter_into
 from paratrain.sharded.units import DEFAULT_MIN_PARAMS, UnitPlan, UnitSpec, plan_units
 from paratrain.tree import flatten
@@ -418,14 +418,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def agree_found_inf(self, found: dict[torch.device, torch.Tensor]) -> None:
         """The gradient scaler's per-device inf/nan flags, made the maximum over every rank (in place)."""
-        if not found:
-            found[self._control] = torch.zeros(1, dtype=torch.float32, device=self._control)
-        for flag in found.values():
-            mine = flag.to(self._control)
-            seq = self.monitor.launched()
-            work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-            self.monitor.wait(work, seq, "inf/nan check of the scaled gradients")
-            flag.copy_(mine)
+        agree_found_inf(found, self._control, self._control, self.process_group, self.monitor)
 
     def on_synchronised(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` at the end of every backward that reduced gradients (optimizers assign theirs)."""

@@ -74,6 +74,7 @@ class GradientGuard:
     def __init__(self, strategy: str) -> None:
         self.strategy = strategy
         self._placeholders: dict[int, ShardedGradient] = {}
+        self._armed = False  # placeholders may be in .grad: disarm has work to do (every forward asks)
 
     def placeholder(self, param: torch.Tensor) -> ShardedGradient:
         made = self._placeholders.get(id(param))
@@ -83,13 +84,18 @@ class GradientGuard:
 
     def arm(self, params: Iterable[torch.Tensor]) -> None:
         """Every parameter's ``.grad`` becomes its placeholder (where it has none of its own)."""
+        self._armed = True
         for p in params:
             if p.requires_grad and (p.grad is None or isinstance(p.grad, ShardedGradient)):
                 p.grad = self.placeholder(p)
 
-    @staticmethod
-    def disarm(params: Iterable[torch.Tensor]) -> None:
-        """Every placeholder in ``.grad`` is taken out (``None``): autograd may accumulate into ``.grad`` again."""
+    def disarm(self, params: Iterable[torch.Tensor]) -> None:
+        """Every placeholder in ``.grad`` is taken out (``None``): autograd may accumulate into ``.grad`` again.
+
+        Costs nothing when this guard armed none since it last disarmed (the forwards of no_sync, evaluation)."""
+        if not self._armed:
+            return
+        self._armed = False
         for p in params:
             if isinstance(p.grad, ShardedGradient):
                 p.grad = None

@@ -31,12 +31,21 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.checkpoint.sharded import LocalSlices, Owned, StoredTensor
 from paratrain.errors import ConfigError
 
-__all__ = ["ELEMENTWISE", "OwnedPiece", "ShardSource", "ShardedOptimizer", "check_elementwise", "shard_optimizer"]
+__all__ = [
+    "ELEMENTWISE",
+    "OwnedPiece",
+    "ShardSource",
+    "ShardedOptimizer",
+    "agree_found_inf",
+    "check_elementwise",
+    "shard_optimizer",
+]
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -99,6 +108,22 @@ class ShardSource(Protocol):
     def agree_found_inf(self, found: dict[torch.device, torch.Tensor]) -> None: ...
 
     def on_synchronised(self, callback: Callable[[], None]) -> None: ...
+
+
+def agree_found_inf(
+    found: dict[torch.device, torch.Tensor], device: torch.device, control: torch.device, group: Any, monitor: Any
+) -> None:
+    """The gradient scaler's per-device inf/nan flags made the maximum over every rank, in place (a shard source's
+    :meth:`ShardSource.agree_found_inf`). A rank whose pieces had no gradient takes part with nothing found, on
+    ``device``; ``control`` is where the collective runs."""
+    if not found:
+        found[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    for flag in found.values():
+        mine = flag.to(control)
+        seq = monitor.launched()
+        work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        monitor.wait(work, seq, "inf/nan check of the scaled gradients")
+        flag.copy_(mine)
 
 
 def _raw(function: Any) -> Any:

@@ -28,7 +28,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
@@ -38,7 +37,7 @@ from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.grad_norm import norm_terms
 from paratrain.sharded.guard import GradientGuard
-from paratrain.sharded.optimizer import OwnedPiece
+from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
 from paratrain.sharded.partition import BucketShards, shard_bucket
 from paratrain.sharded.reducer import ReduceScatter, all_gather_into
 
@@ -179,14 +178,7 @@ class ZeroDataParallel(DistributedDataParallel):
     def agree_found_inf(self, found: dict[torch.device, torch.Tensor]) -> None:
         """The gradient scaler's per-device inf/nan flags, made the maximum over every rank (in place)."""
         device = self.flat[0].device if self.flat else torch.device("cpu")
-        if not found:  # this rank's pieces had no gradient: it still takes part, with nothing found
-            found[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        for flag in found.values():
-            mine = flag.to(self._control_device())
-            seq = self.monitor.launched()
-            work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-            self.monitor.wait(work, seq, "inf/nan check of the scaled gradients")
-            flag.copy_(mine)
+        agree_found_inf(found, device, self._control_device(), self.process_group, self.monitor)
 
     def on_synchronised(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` at the end of every backward that reduced gradients (optimizers assign theirs)."""

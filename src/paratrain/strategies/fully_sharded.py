@@ -20,23 +20,21 @@ from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain.checkpoint.sharded import LocalSlices, StoredTensor, materialize
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
 from paratrain.environment import ClusterEnvironment
-from paratrain.errors import CheckpointError, ConfigError
+from paratrain.errors import CheckpointError
 from paratrain.sharded.fully_sharded import FullyShardedDataParallel
-from paratrain.sharded.grad_norm import clip_with_norm
-from paratrain.sharded.optimizer import OwnedPiece, ShardedOptimizer, shard_optimizer
+from paratrain.sharded.optimizer import OwnedPiece
 from paratrain.sharded.units import DEFAULT_MIN_PARAMS, UnitSpec
-from paratrain.strategies.ddp import DistributedStrategy
+from paratrain.strategies.sharded import ShardedStrategy
 
 __all__ = ["Zero3Strategy"]
 
 
-class Zero3Strategy(DistributedStrategy):
+class Zero3Strategy(ShardedStrategy):
     """Fully sharded data parallel across processes (module docstring).
 
     Args:
@@ -114,14 +112,19 @@ class Zero3Strategy(DistributedStrategy):
         with self.wrapper_of(model, "no_sync()").no_sync():
             yield
 
+    def wrappers(self) -> list[FullyShardedDataParallel]:
+        return list(self._sharded)
+
+    @staticmethod
+    def trained(wrapper: FullyShardedDataParallel) -> list[torch.Tensor]:
+        return list(wrapper.params)
+
+    @staticmethod
+    def shard_dtype(wrapper: FullyShardedDataParallel) -> torch.dtype:
+        return wrapper.units[0].dtype if wrapper.units else torch.float32
+
     def wrapper_of(self, model: nn.Module, what: str) -> FullyShardedDataParallel:
-        """The wrapper this strategy put around ``model`` (given as prepared, or as the user's module)."""
-        found = next((w for w in self._sharded if w is model or w.module is model), None)
-        if found is None:
-            raise ConfigError(
-                f"{what} under zero3 takes the model par.prepare() returned (or the module inside it), whose "
-                f"weights are sharded across ranks; found a {type(model).__name__} it did not prepare"
-            )
+        found: FullyShardedDataParallel = super().wrapper_of(model, what)
         return found
 
     # -- the optimizer ----------------------------------------------------------------------------------------
@@ -131,39 +134,9 @@ class Zero3Strategy(DistributedStrategy):
             if wrapper.replaced:
                 for group in optimizer.param_groups:
                     group["params"] = [wrapper.replaced.get(id(p), p) for p in group["params"]]
-        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        owners = [w for w in self._sharded if any(id(p) in params for p in w.params)]
-        if len(owners) != 1:
-            why = "no model prepared so far holds its parameters" if not owners else "it spans several models"
-            raise ConfigError(
-                f"under zero3 an optimizer is sharded like the one model it trains, but {why}: prepare the model "
-                f"first, in the same call or before (par.prepare(model, optimizer)), one optimizer per model"
-            )
-        return shard_optimizer(optimizer, owners[0], in_place=True)
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, ShardedOptimizer):
-            return optimizer.sharded_state_dict()
-        return super().optimizer_state(optimizer)
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        if isinstance(optimizer, ShardedOptimizer):
-            optimizer.load_state_dict(state)  # reads only the slices of this rank's pieces
-            return
-        optimizer.load_state_dict(materialize(state))
+        return super().wrap_optimizer(optimizer)
 
     # -- the global gradient ----------------------------------------------------------------------------------
-
-    def clip_grad_norm_(self, module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient; its norm is summed from every rank's pieces (in float64, as ddp's is)."""
-        wrapper = self.wrapper_of(module, "clip_grad_norm_()")
-        pieces = wrapper.owned_pieces()
-        terms = wrapper.shard_norm_terms(pieces, float(norm_type))
-        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        self._run("all_reduce of the gradient norm", lambda: dist.all_reduce(terms, op=op, async_op=True))
-        grads = [g for piece in pieces if (g := wrapper.piece_grad(piece)) is not None]
-        dtype = wrapper.units[0].dtype if wrapper.units else torch.float32
-        return clip_with_norm(terms.to(self._device), grads, max_norm, float(norm_type), dtype)
 
     def gradients(self, model: nn.Module) -> list[torch.Tensor | None]:
         wrapper = self.wrapper_of(model, "gradients()")

@@ -16,21 +16,17 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from paratrain.checkpoint.sharded import Alias, LocalSlices, materialize
+from paratrain.checkpoint.sharded import Alias, LocalSlices
 from paratrain.checkpoint.state_dicts import parameter_keys
-from paratrain.errors import ConfigError
-from paratrain.sharded.grad_norm import clip_with_norm
-from paratrain.sharded.optimizer import ShardedOptimizer, shard_optimizer
 from paratrain.sharded.zero import ZeroDataParallel
-from paratrain.strategies.ddp import DistributedStrategy
+from paratrain.strategies.sharded import ShardedStrategy
 
 __all__ = ["Zero1Strategy", "Zero2Strategy", "ZeroStrategy"]
 
 
-class ZeroStrategy(DistributedStrategy):
+class ZeroStrategy(ShardedStrategy):
     """Sharded data parallel across processes (see the module docstring); ``stage`` says what is sharded."""
 
     name: ClassVar[str] = "zero"
@@ -48,42 +44,22 @@ class ZeroStrategy(DistributedStrategy):
     def describe(self) -> str:
         return f"{self.name}, {self.world_size} processes, on {self._device.type}"
 
-    def _zero_wrappers(self) -> list[ZeroDataParallel]:
+    def wrappers(self) -> list[ZeroDataParallel]:
         return [w for w in self._ddp if isinstance(w, ZeroDataParallel)]
 
+    @staticmethod
+    def trained(wrapper: ZeroDataParallel) -> list[torch.nn.Parameter]:
+        return list(wrapper.reducer.params)
+
+    @staticmethod
+    def shard_dtype(wrapper: ZeroDataParallel) -> torch.dtype:
+        return wrapper.flat[0].dtype if wrapper.flat else torch.float32
+
     def wrapper_of(self, model: nn.Module, what: str) -> ZeroDataParallel:
-        """The wrapper this strategy put around ``model`` (given as prepared, or as the user's module)."""
-        found = next((w for w in self._zero_wrappers() if w is model or w.module is model), None)
-        if found is None:
-            raise ConfigError(
-                f"{what} under {self.name} takes the model par.prepare() returned (or the module inside it), whose "
-                f"gradients and weights are sharded across ranks; found a {type(model).__name__} it did not prepare"
-            )
+        found: ZeroDataParallel = super().wrapper_of(model, what)
         return found
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        owners = [w for w in self._zero_wrappers() if any(id(p) in params for p in w.reducer.params)]
-        if len(owners) != 1:
-            why = "no model prepared so far holds its parameters" if not owners else "it spans several models"
-            raise ConfigError(
-                f"under {self.name} an optimizer is sharded like the one model it trains, but {why}: prepare the "
-                f"model first, in the same call or before (par.prepare(model, optimizer)), one optimizer per model"
-            )
-        return shard_optimizer(optimizer, owners[0], in_place=True)
-
-    # -- the global gradient: its norm, and the whole of it for checks ----------------------------------------
-
-    def clip_grad_norm_(self, module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient; its norm is summed from every rank's pieces (in float64, as ddp's is)."""
-        wrapper = self.wrapper_of(module, "clip_grad_norm_()")
-        pieces = wrapper.owned_pieces()
-        terms = wrapper.shard_norm_terms(pieces, float(norm_type))
-        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        self._run("all_reduce of the gradient norm", lambda: dist.all_reduce(terms, op=op, async_op=True))
-        grads = [g for piece in pieces if (g := wrapper.piece_grad(piece)) is not None]
-        dtype = wrapper.flat[0].dtype if wrapper.flat else torch.float32
-        return clip_with_norm(terms.to(self._device), grads, max_norm, float(norm_type), dtype)
+    # -- the whole gradient, for checks -----------------------------------------------------------------------
 
     def gradients(self, model: nn.Module) -> list[torch.Tensor | None]:
         wrapper = self.wrapper_of(model, "gradients()")
@@ -113,17 +89,6 @@ class ZeroStrategy(DistributedStrategy):
             else:
                 state[key] = Alias(first)
         return state
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, ShardedOptimizer):
-            return optimizer.sharded_state_dict()
-        return super().optimizer_state(optimizer)
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        if isinstance(optimizer, ShardedOptimizer):
-            optimizer.load_state_dict(state)  # reads only the slices of this rank's pieces
-            return
-        optimizer.load_state_dict(materialize(state))
 
 
 def _holds(value: Any, param: torch.Tensor) -> bool:
