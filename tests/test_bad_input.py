@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -177,8 +178,22 @@ def unsearchable(tmp_path_factory):
     locked = base / "locked"
     locked.mkdir()
     locked.chmod(0o700)  # root's alone: no execute (search) permission for anyone else
-    yield locked, ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    probe = subprocess.run([*as_nobody, sys.executable, "-c", "import paratrain"], capture_output=True, text=True,
+                           cwd="/tmp", timeout=60)  # fmt: skip
+    if probe.returncode != 0:  # a clone under a private directory (mode 700, as many homes are): nobody cannot
+        shutil.rmtree(base)  # reach this interpreter or the package, so the test would measure the clone's place
+        pytest.skip(f"user nobody cannot run this checkout's paratrain ({_unsearchable_above(Path(sys.executable))})")
+    yield locked, as_nobody
     shutil.rmtree(base)
+
+
+def _unsearchable_above(path: Path) -> str:
+    """The first directory above ``path`` that others may not search, as the skip's reason names it."""
+    for parent in reversed(path.absolute().parents):
+        if not parent.stat().st_mode & 0o001:
+            return f"{parent} is mode {parent.stat().st_mode & 0o777:o}"
+    return "its interpreter or package is not readable by others"
 
 
 @pytest.mark.processes
