@@ -15,6 +15,9 @@ import pytest
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 3.0
+# how soon after the fault a job ends: the timeout, a report that waits for every answering rank (torch's first
+# symbolisation of call sites takes seconds on a loaded machine), and the launcher's teardown
+ENDS_WITHIN_S = 30.0
 
 
 def _launchers() -> dict[str, list[str]]:
@@ -81,8 +84,9 @@ JOBS = [  # (launcher, API, fault): the fault matrix under paratrain launch, and
 
 @pytest.mark.processes
 def test_the_fault_matrix_each_job_ends_and_its_report_names_the_rank_its_state_and_the_users_line(tmp_path):
-    """Real jobs of two real processes, one rank at fault in its second step. Each must end within timeout + 15 s of
-    the fault, failing, with a report that names the right rank, its state and the user's line."""
+    """Real jobs of two real processes, one rank at fault in its second step. Each must end soon after the fault
+    (within ENDS_WITHIN_S of it, a tenth of the 300 s default timeout they would otherwise wait), failing, with a
+    report that names the right rank, its state and the user's line."""
     with ThreadPoolExecutor(3) as pool:  # more at once starve the ranks of a 2-core machine
         runs = list(pool.map(lambda job: _matrix_run(*job, tmp_path / "-".join(job[::2]).replace(" ", "_")), JOBS))
     for (launcher, _, fault), (code, seconds, output, report) in zip(JOBS, runs, strict=True):
@@ -95,7 +99,7 @@ def test_the_fault_matrix_each_job_ends_and_its_report_names_the_rank_its_state_
             waits = {int(r): float(w) for r, w in re.findall(r"rank (\d) finished, waited ([\d.]+) s", output)}
             assert waits[0] > waits[1] + 1.0, waits
             continue
-        assert code != 0 and seconds < TIMEOUT + 15, tail
+        assert code != 0 and seconds < ENDS_WITHIN_S, tail
         if fault in ("sleep", "loop"):
             assert report is not None and "rank(s) 1 did not arrive" in output, tail
             one = _rank(report, 1)

@@ -31,10 +31,13 @@ from paratrain.diagnostics.flight_recorder import recent
 from paratrain.diagnostics.stacks import process_state, python_stacks, signal_dump, user_frame
 from paratrain.files import atomic_writer
 
-__all__ = ["ANSWER_WAIT_S", "FRAMES_WAIT_S", "Answerer", "HangReport", "RankReport", "gather"]
+__all__ = ["ANSWERING_WAIT_S", "ANSWER_WAIT_S", "FRAMES_WAIT_S", "Answerer", "HangReport", "RankReport", "gather"]
 
 ANSWER_WAIT_S = 4.0  # how long the noticing rank waits for the others' answers (they answer within a beat or two)
 FRAMES_WAIT_S = 8.0  # more, when the answers carry the call sites of past collectives (torch symbolises them slowly)
+# a rank that said it is answering is waited for up to this long: torch's first symbolisation of the call sites
+# imports torch._inductor (about 4 s on an idle core, several times that on a loaded machine)
+ANSWERING_WAIT_S = 40.0
 
 
 @dataclass
@@ -130,10 +133,12 @@ class Answerer:
         if request is None or request["id"] in self._answered:
             return
         self._answered.add(request["id"])
+        key = self.board.key(self.board.global_rank, "answer")
+        self.board.store.set(key, json.dumps({"id": request["id"], "answering": True}))  # the asker waits on
         seqs = range(*request["seqs"]) if request.get("seqs") else None
         answer = answer_of(self.board, self.group, self.status(True), seqs)
         answer["id"] = request["id"]
-        self.board.store.set(self.board.key(self.board.global_rank, "answer"), json.dumps(answer, default=str))
+        self.board.store.set(key, json.dumps(answer, default=str))
 
 
 def answer_of(board: Board, group: Any, status: dict[str, Any], seqs: range | None = None) -> dict[str, Any]:
@@ -169,28 +174,41 @@ def gather(
     timeout: float | None,
     seqs: range | None = None,
 ) -> HangReport:
-    """Ask every rank, wait up to :data:`ANSWER_WAIT_S` for the answers, and describe the rest.
+    """Ask every rank, wait up to :data:`ANSWER_WAIT_S` for the answers (up to :data:`ANSWERING_WAIT_S` for a
+    rank that said it is answering), and describe the rest.
 
     ``seqs``: the group's collectives every answer must show (with their call sites); default its latest.
     """
     request = {"id": uuid.uuid4().hex, "by": board.global_rank, "seq": seq, "what": what}
     if seqs is not None:
         request["seqs"] = [seqs.start, seqs.stop]
-    before = board.read()
+    before, read_at = board.read(), time.time()
     with contextlib.suppress(Exception):  # the store is gone: every other rank is described from what is left
         board.store.set(f"{board.prefix}/request", json.dumps(request))
     mine = answer_of(board, group, status, seqs)
     answers: dict[int, dict[str, Any]] = {board.global_rank: mine}
     # a rank whose board has not published for a few beats will not answer either: no waiting for it
-    stale = time.time() - 5 * board.interval
+    stale = read_at - 5 * board.interval  # as of the read: this rank's own answer may take seconds
     others = [r for r in board.global_ranks if r != board.global_rank and (before.get(r) or {}).get("time", 0) > stale]
-    deadline = time.monotonic() + (FRAMES_WAIT_S if seqs is not None else ANSWER_WAIT_S)
-    while time.monotonic() < deadline and any(r not in answers for r in others):
+    started = time.monotonic()
+    deadline = started + (FRAMES_WAIT_S if seqs is not None else ANSWER_WAIT_S)
+    answering: set[int] = set()  # ranks that took the request and are still putting their answer together
+
+    def waiting() -> bool:
+        now, left = time.monotonic(), [r for r in others if r not in answers]
+        return bool(left) and (
+            now < deadline or (now < started + ANSWERING_WAIT_S and bool(answering.intersection(left)))
+        )
+
+    while waiting():
         for rank in others:
             if rank not in answers:
                 found = _read(board, board.key(rank, "answer"))
                 if found is not None and found.get("id") == request["id"]:
-                    answers[rank] = found
+                    if found.get("answering"):
+                        answering.add(rank)
+                    else:
+                        answers[rank] = found
         time.sleep(0.1)
     after = board.read()
     ranks = []
