@@ -167,3 +167,32 @@ def forgot_prepare(rank: int, world: int) -> dict[str, Any]:
         found = {"error": str(exc)}
     par.close()
     return found
+
+
+def plain_backward_and_prepare_twice(rank: int, world: int) -> dict[str, Any]:
+    """loss.backward() where par.backward(loss) belongs, and prepare() of what it prepared already: each refused
+    at once on every rank, before any gradient or collective; the loop then trains on as written."""
+    par = paratrain.Parallel("ddp", "cpu")
+    torch.manual_seed(0)
+    net = mlp()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, optimizer, loader = par.prepare(net, optimizer, DataLoader(_data(4), batch_size=6))
+    x, y = next(iter(loader))
+    found: dict[str, Any] = {}
+    try:
+        F.cross_entropy(model(x), y).backward()
+        found["backward"] = None
+    except paratrain.ConfigError as exc:
+        found["backward"] = str(exc)
+    found["grads_after_refusal"] = [p.grad is not None for p in net.parameters()]
+    for name, again in (("model", net), ("prepared model", model), ("optimizer", optimizer), ("loader", loader)):
+        try:
+            par.prepare(again)
+            found[name] = None
+        except paratrain.ConfigError as exc:
+            found[name] = str(exc)
+    par.backward(F.cross_entropy(model(x), y))  # the loop goes on, as written
+    optimizer.step()
+    found["weight"] = next(net.parameters()).detach().sum().item()
+    par.close()
+    return found

@@ -18,6 +18,7 @@ from parallel_scenarios import (
     eval_loader_between_forward_and_backward,
     forgot_prepare,
     gather_pads_and_trims,
+    plain_backward_and_prepare_twice,
     train_job,
     unmatched_batch_warns_once,
     user_shuffle_order,
@@ -214,6 +215,7 @@ def _parallel_suite(rank: int, world: int) -> dict:
             batched_loader_order,
             unmatched_batch_warns_once,
             forgot_prepare,
+            plain_backward_and_prepare_twice,
         )
     }
 
@@ -275,6 +277,49 @@ def test_a_loss_from_a_model_no_one_prepared_is_refused_on_every_rank(parallel_s
     for found in ranks:
         assert "no model that par.prepare() returned has run forward" in found["forgot_prepare"]["error"]
         assert "under ddp every process would train its own copy" in found["forgot_prepare"]["error"]
+
+
+@pytest.mark.processes
+def test_loss_backward_and_prepare_twice_are_refused_on_every_rank_before_any_gradient(parallel_suite):
+    _, ranks = parallel_suite
+    for found in ranks:
+        cell = found["plain_backward_and_prepare_twice"]
+        assert "Replace loss.backward() with par.backward(loss)" in cell["backward"], cell
+        assert cell["grads_after_refusal"] == [False] * len(cell["grads_after_refusal"]), cell
+        for name in ("model", "prepared model", "optimizer", "loader"):
+            assert "a second time" in cell[name] and "to prepare() once" in cell[name], (name, cell[name])
+    assert len({found["plain_backward_and_prepare_twice"]["weight"] for found in ranks}) == 1
+
+
+@pytest.mark.parametrize("strategy, devices", [("single", "cpu"), ("dp", "cpu,cpu")])
+def test_loss_backward_on_a_prepared_model_is_refused_with_the_fix(strategy, devices):
+    """Under every strategy, so that a script that passes on one device fails the same way on many."""
+    with paratrain.Parallel(strategy, devices) as par:
+        net = torch.nn.Linear(4, 2)
+        model = par.prepare(net)
+        with torch.no_grad():
+            model(torch.randn(3, 4))  # evaluation: no backward, nothing to refuse
+        with pytest.raises(ConfigError, match=r"Replace loss.backward\(\) with par.backward\(loss\)"):
+            model(torch.randn(4, 4)).sum().backward()
+        assert all(p.grad is None for p in net.parameters())  # refused before any gradient
+        par.backward(model(torch.randn(4, 4)).sum())  # the fix works on the same model
+        assert all(p.grad is not None for p in net.parameters())
+
+
+@pytest.mark.parametrize("again", ["model", "returned model", "optimizer", "returned loader", "in one call"])
+def test_prepare_twice_is_refused_naming_the_object(again):
+    """Fabric: "A model should be passed only once"; a model wrapped twice cuts the batch twice under ddp."""
+    with paratrain.Parallel("single", "cpu") as par:
+        net = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        raw_loader = [torch.zeros(2, 4)]
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 4)), batch_size=2)
+        model, optimizer, prepared_loader = par.prepare(net, optimizer, loader)
+        given = {"model": (net,), "returned model": (model,), "optimizer": (optimizer,),
+                 "returned loader": (prepared_loader,), "in one call": (torch.nn.Linear(1, 1),) * 2}[again]  # fmt: skip
+        with pytest.raises(ConfigError, match=r"a second time .* to prepare\(\) once"):
+            par.prepare(*given)
+        par.prepare(loader, raw_loader)  # the raw loader again (an evaluation loader, say) is a new prepared one
 
 
 def test_backward_without_a_prepared_model_says_to_prepare_it():

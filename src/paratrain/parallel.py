@@ -21,6 +21,7 @@ over several devices in this process), and, with torchrun, ``ddp``. ``auto`` pic
 from __future__ import annotations
 
 import builtins
+import contextlib
 import random
 import warnings
 import weakref
@@ -120,7 +121,8 @@ class Parallel:
         self._micro = Recording(self._ledger)  # the micro-batch accumulate() is feeding
         self._warned_unmatched = False
         self._forward_ran = False  # a prepared model ran forward with autograd: backward has a loss of ours
-        self._first_forward: list[RemovableHandle] = []  # one process: the hooks that watch for that forward
+        self._in_backward = False  # inside par.backward(): a prepared model's outputs expect their gradient
+        self._prepared: weakref.WeakSet[Any] = weakref.WeakSet()  # what prepare() took and returned: never twice
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._trains: dict[int, set[int]] = {}  # a prepared optimizer (by id) -> the model parameters it trains
         self._handles: list[RemovableHandle] = []
@@ -192,16 +194,45 @@ class Parallel:
         gradients that are not synchronised yet, or (``16-mixed``) still scaled. Returns the prepared objects in
         the order given (one object: just that object).
         """
+        for i, obj in enumerate(objects):
+            self._check_not_prepared(obj, objects[:i])
         prepared = tuple(self._prepare_one(obj) for obj in objects)
+        for obj, result in zip(objects, prepared, strict=True):
+            with contextlib.suppress(TypeError):  # an object that takes no weak reference (a list of batches)
+                self._prepared.add(result)
+                if isinstance(obj, nn.Module | torch.optim.Optimizer):  # a loader may feed two prepared ones
+                    self._prepared.add(obj)
         return prepared[0] if len(prepared) == 1 else prepared
+
+    def _check_not_prepared(self, obj: Any, before: tuple[Any, ...]) -> None:
+        """Refuse an object prepare() already took (or returned): a model wrapped twice trains another model."""
+        try:
+            again = obj in self._prepared
+        except TypeError:
+            return
+        again = again or (isinstance(obj, nn.Module | torch.optim.Optimizer) and any(obj is o for o in before))
+        if again:
+            kind = (
+                "model"
+                if isinstance(obj, nn.Module)
+                else "optimizer"
+                if isinstance(obj, torch.optim.Optimizer)
+                else "loader"
+            )
+            raise ConfigError(
+                f"prepare() got this {kind} ({type(obj).__name__}) a second time (the object itself, or "
+                f"what prepare() returned for it): preparing it again would wrap it twice (a model inside two "
+                f"wrappers, a batch cut twice), which trains another model. Pass each model, optimizer and loader "
+                f"to prepare() once, and use what it returned: model, optimizer, loader = par.prepare(model, "
+                f"optimizer, loader)"
+            )
 
     def _prepare_one(self, obj: Any) -> Any:
         if isinstance(obj, nn.Module):
             wrapped = self.strategy.wrap_model(obj)
             if self.world_size > 1:  # in one process every loss weighs 1: nothing to find out per forward
                 self._handles.append(wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True))
-            elif not self._forward_ran:  # one process: only the first forward is watched (backward's check)
-                self._first_forward.append(wrapped.register_forward_pre_hook(self._note_first_forward))
+            self._handles.append(wrapped.register_forward_hook(self._watch_backward))
             self._handles += self.precision.attach(wrapped)
             return wrapped
         if isinstance(obj, torch.optim.Optimizer):
@@ -223,13 +254,25 @@ class Parallel:
 
     # -- the step ---------------------------------------------------------------------------------------------
 
-    def _note_first_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """In one process: a prepared model ran forward with autograd; the hooks go, so later steps cost nothing."""
-        if torch.is_grad_enabled():
-            self._forward_ran = True
-            for handle in self._first_forward:
-                handle.remove()
-            self._first_forward.clear()
+    def _watch_backward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """A prepared model's forward with autograd: its outputs refuse a backward that is not par.backward()."""
+        if not torch.is_grad_enabled():
+            return
+        self._forward_ran = True
+        outputs = [output] if isinstance(output, torch.Tensor) else flatten(output)[0]
+        for tensor in outputs:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._refuse_plain_backward)
+
+    def _refuse_plain_backward(self, grad: torch.Tensor) -> None:
+        """A gradient reached a prepared model's output outside par.backward(): ``loss.backward()``."""
+        if not self._in_backward:
+            raise ConfigError(
+                "loss.backward() on a loss of a model par.prepare() returned: under Parallel the backward goes "
+                "through par.backward(loss), which weighs each process's loss by its share of the global batch "
+                "(uneven shares drift otherwise) and scales it under 16-mixed. Replace loss.backward() with "
+                "par.backward(loss) (the raw paratrain.DistributedDataParallel keeps torch's loss.backward())"
+            )
 
     def _bind_share(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A prepared model's forward: the next backward weighs its loss by the share of the batch fed here.
@@ -299,7 +342,11 @@ class Parallel:
         share, fraction = self._ledger.take()
         weight = self.strategy.loss_weight(share.local, share.total) if share is not None and share.total else 1.0
         weight *= fraction
-        self.strategy.backward(self.precision.scale(loss if weight == 1.0 else loss * weight))
+        self._in_backward = True
+        try:
+            self.strategy.backward(self.precision.scale(loss if weight == 1.0 else loss * weight))
+        finally:
+            self._in_backward = False
         self._local_grads = self._no_sync_depth > 0
 
     @contextmanager
@@ -477,10 +524,9 @@ class Parallel:
 
         ``clean=False`` (leaving on an error) skips waiting for the other processes.
         """
-        for handle in (*self._handles, *self._first_forward):
+        for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._first_forward.clear()
         self.strategy.teardown(clean)
 
     def __enter__(self) -> Parallel:

@@ -53,7 +53,10 @@ def main() -> None:
         if step == 1:
             print(f"rank {rank} at fault {time.time():.3f}", flush=True)  # the clock starts here, not at start-up
             fault(args.fault, rank)
-        loss.backward()
+        if args.api == "ddp":
+            loss.backward()  # the raw wrapper keeps torch's contract
+        else:
+            par.backward(loss)
     waited = model.monitor.waited if args.api == "ddp" else par.collective_wait_seconds
     print(f"rank {rank} finished, waited {waited:.3f} s in collectives", flush=True)
 
