@@ -11,7 +11,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -202,10 +201,32 @@ def _step(checkpoint: Path) -> int:
     return int(checkpoint.stem.rsplit("-", 1)[1])
 
 
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+def _listener(port: int, agents: list[subprocess.Popen[str]]) -> subprocess.Popen[str] | None:
+    """Which agent's process tree listens on ``port`` (hosts the rendezvous store), from /proc; None while none."""
+    hex_port = f":{port:04X}"
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[1].endswith(hex_port) and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    for agent in agents:
+        for pid in [agent.pid, *descendants(agent.pid)]:
+            with contextlib.suppress(OSError):
+                if any(os.readlink(fd) in inodes for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                    return agent
+    return None
+
+
+def _in_world_of(agent: subprocess.Popen[str], size: int) -> bool:
+    """Whether a torchrun worker below ``agent`` runs in a group of ``size`` processes."""
+    for pid in descendants(agent.pid):
+        with contextlib.suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"WORLD_SIZE={size}".encode() in environ and any(e.startswith(b"LOCAL_RANK=") for e in environ):
+                return True
+    return False
 
 
 def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
@@ -214,18 +235,19 @@ def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
     common = (*ELASTIC_RUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-id", "lost")
     common += ("--rdzv-endpoint", f"127.0.0.1:{port}", "--checkpoint-dir", str(directory))
     env = {"OMP_NUM_THREADS": "1"}
-    survivor = start_cli("train", *common, "--metrics-out", str(tmp_path / "survivor.json"), env=env)
-    victim = None
+    # both agents start at once, so both meet in the first round (one that starts seconds later, as a loaded machine
+    # makes it, misses the round's 3 s last call, and the first may finish alone before it re-forms); the one that
+    # hosts the rendezvous store is the survivor (the store must outlive the kill), the other the victim
+    agents = [start_cli("train", *common, "--metrics-out", str(tmp_path / f"{n}.json"), env=env) for n in "ab"]
+    survivor = victim = None
     try:
         deadline = time.monotonic() + 60
-        while not _listening(port):  # the first agent hosts the rendezvous store: it must be the survivor
-            assert survivor.poll() is None and time.monotonic() < deadline, "the first agent never listened"
+        while (survivor := _listener(port, agents)) is None:
+            assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, "no agent listened"
             time.sleep(0.1)
-        victim = start_cli("train", *common, "--metrics-out", str(tmp_path / "victim.json"), env=env)
-        # the victim joins the first round, or (a loaded machine makes it miss the round's 3 s last call) the
-        # survivor's group re-forms to take it in: either way its worker is rank 1 of a two-node group, and the
-        # kill comes after that group wrote a checkpoint
-        while worker_with_rank(victim.pid, 1) is None:
+        victim = next(a for a in agents if a is not survivor)
+        # the kill comes after the two-node group wrote a checkpoint
+        while not _in_world_of(victim, 2):
             assert survivor.poll() is None and victim.poll() is None, "an agent ended early"
             assert time.monotonic() < deadline + 120, "the victim never joined the group"
             time.sleep(0.05)
@@ -238,14 +260,21 @@ def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         finish(survivor, timeout=240)
-    finally:
-        for proc in (survivor, victim):
-            if proc is not None and proc.poll() is None:
+    except AssertionError as failed:  # what each agent said, for the next person to read
+        for proc in agents:
+            if proc.poll() is None:
                 proc.kill()
-        for proc in (survivor, victim):
-            if proc is not None:
+        outputs = ["".join(a.communicate()) for a in agents]
+        said = [f"agent {n} (exit {a.returncode}):\n{o[-3000:]}" for n, a, o in zip("ab", agents, outputs, strict=True)]
+        raise AssertionError("\n".join([str(failed), *said])) from None
+    finally:
+        for proc in agents:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in agents:
+            if proc.returncode is None:
                 proc.communicate()
-    metrics = json.loads((tmp_path / "survivor.json").read_text())
+    metrics = json.loads((tmp_path / f"{'ab'[agents.index(survivor)]}.json").read_text())
     # one restart for the lost node (and one before it where the group re-formed to take the victim in)
     assert metrics["world_size"] == 1 and metrics["restarts"] in (1, 2), metrics["recoveries"]
     assert metrics["recoveries"][-1]["resumed_at_step"] >= 80
