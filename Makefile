@@ -1,12 +1,14 @@
 # make run   : the main job (creates .venv on first use)
 # make test  : lint, type-check and the whole test suite (two workers), with the 25 slowest tests (what CI runs)
 # make unit  : the tests that start no process (under a minute): the quick loop while changing a module
+# make slow  : the longest process tests (fault matrix, elastic restarts, three-process resumes, zero3 runs); CI runs
+#              them after make test
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.paratrain-installed
 
-.PHONY: run test lint typecheck unit suite bench clean
+.PHONY: run test lint typecheck unit suite slow bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,7 +40,10 @@ unit: $(STAMP)
 # the wall time on two cores; SUITE_WORKERS=0 runs everything in this one process
 SUITE_WORKERS ?= 2
 suite: $(STAMP)
-	$(PY) -m pytest -q --durations=25 $(if $(filter 0,$(SUITE_WORKERS)),,-n $(SUITE_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q -m "not slow" --durations=25 $(if $(filter 0,$(SUITE_WORKERS)),,-n $(SUITE_WORKERS) --dist loadfile)
+
+slow: $(STAMP)
+	$(PY) -m pytest -q -m slow --durations=10 $(if $(filter 0,$(SUITE_WORKERS)),,-n $(SUITE_WORKERS) --dist loadfile)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_data_parallel.py

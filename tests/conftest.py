@@ -150,6 +150,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "processes: starts processes (the command, torchrun, gloo ranks); `make unit` leaves these out"
     )
+    config.addinivalue_line(
+        "markers",
+        "slow: one of the longest process tests (the fault matrix, elastic restarts, three-process resumes, zero3's "
+        "train runs); `make test` leaves these to `make slow`, and CI runs both",
+    )
     subprocess.Popen.__init__ = _guarded(subprocess.Popen.__init__)  # type: ignore[method-assign]
     multiprocessing.process.BaseProcess.start = _guarded(multiprocessing.process.BaseProcess.start)  # type: ignore[method-assign]
 

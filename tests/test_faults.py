@@ -127,6 +127,7 @@ RESTART_RUN = ("--strategy", "ddp", "--nproc-per-node", "2", "--dataset", "digit
 RESTART_RUN += ("--max-steps", "240", "--checkpoint-every", "40", "--keep-checkpoints", "10")
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_resumes_from_the_latest_checkpoint(tmp_path):
     """Rank 1 SIGKILLed at step 100, 20 steps after the checkpoint at 80: resumed there, the same model, the steps
     lost counted exactly."""
@@ -229,6 +230,7 @@ def _in_world_of(agent: subprocess.Popen[str], size: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
     """Two node agents (--nnodes 1:2, one process each); SIGKILL one agent's whole process tree mid-run."""
     port, directory = free_port(), tmp_path / "ckpt"
@@ -349,6 +351,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_ends_as_the_uninterrupted_run(tmp_
     assert result["model_fingerprint"] == train(TrainConfig(epochs=3, quiet=True)).model_fingerprint
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_ddp_stops_every_rank_after_the_same_step_in_one_line(tmp_path):
     # the ranks agree on a step about half a second ahead: an epoch of digits60k (938 steps) outlasts that
     args = ("train", "--strategy", "ddp", "--nproc-per-node", "2", "--dataset", "digits60k", "--epochs", "1")

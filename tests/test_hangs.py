@@ -82,6 +82,7 @@ JOBS = [  # (launcher, API, fault): the fault matrix under paratrain launch, and
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.processes
 def test_the_fault_matrix_each_job_ends_and_its_report_names_the_rank_its_state_and_the_users_line(tmp_path):
     """Real jobs of two real processes, one rank at fault in its second step. Each must end soon after the fault

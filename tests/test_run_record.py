@@ -111,6 +111,7 @@ def test_resuming_from_the_record_continues_the_whole_run(capsys, tmp_path):
     assert "max-steps" not in tomllib.loads(record.read_text())  # the resumed invocation's record, too
 
 
+@pytest.mark.slow
 @pytest.mark.processes
 def test_a_ddp_run_records_its_processes_and_repeats_with_them(tmp_path):
     first, again = tmp_path / "first.json", tmp_path / "again.json"

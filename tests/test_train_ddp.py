@@ -83,6 +83,7 @@ def test_a_clean_ddp_run_leaves_nothing_of_its_own_in_the_temporary_directory(tw
     assert left == [], left
 
 
+@pytest.mark.slow
 def test_ddp_three_processes_resume_on_every_rank(single, tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ("--strategy", "ddp", "--nproc-per-node", "3", "--checkpoint-dir", str(ckpt))

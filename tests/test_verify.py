@@ -169,6 +169,7 @@ def test_the_runs_optimizer_precision_and_accumulation_are_verified(monkeypatch_
 # --- the rounding a configuration is entitled to: measured against single in float64, not one fixed tolerance ------
 
 
+@pytest.mark.slow
 @pytest.mark.processes
 def test_clean_models_pass_under_adamw_and_bf16_where_a_fixed_tolerance_cried_wolf():
     """SimpleNet with AdamW: dp and ddp differ from single by 1e-4 relative (AdamW divides by the root of tiny

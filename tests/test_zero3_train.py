@@ -15,7 +15,7 @@ import pytest
 from paratrain.checkpoint.sharded import is_sharded_checkpoint
 from processes import finish, start_cli
 
-pytestmark = pytest.mark.processes  # every test here starts processes
+pytestmark = [pytest.mark.processes, pytest.mark.slow]  # every test here starts processes; `make slow` runs them
 
 FLAGS = ("--quiet", "--epochs", "1", "--optimizer", "adamw", "--lr", "0.001", "--nproc-per-node", "2")
 
