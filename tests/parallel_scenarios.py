@@ -170,8 +170,8 @@ def forgot_prepare(rank: int, world: int) -> dict[str, Any]:
 
 
 def plain_backward_and_prepare_twice(rank: int, world: int) -> dict[str, Any]:
-    """loss.backward() where par.backward(loss) belongs, and prepare() of what it prepared already: each refused
-    at once on every rank, before any gradient or collective; the loop then trains on as written."""
+    """loss.backward() where par.backward(loss) belongs (refused at the step after it, before any parameter moves),
+    and prepare() of what it prepared already (refused at once), on every rank; the loop then trains on."""
     par = paratrain.Parallel("ddp", "cpu")
     torch.manual_seed(0)
     net = mlp()
@@ -179,12 +179,15 @@ def plain_backward_and_prepare_twice(rank: int, world: int) -> dict[str, Any]:
     model, optimizer, loader = par.prepare(net, optimizer, DataLoader(_data(4), batch_size=6))
     x, y = next(iter(loader))
     found: dict[str, Any] = {}
+    before = [p.detach().clone() for p in net.parameters()]
+    F.cross_entropy(model(x), y).backward()
     try:
-        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
         found["backward"] = None
     except paratrain.ConfigError as exc:
         found["backward"] = str(exc)
-    found["grads_after_refusal"] = [p.grad is not None for p in net.parameters()]
+    found["unchanged_after_refusal"] = all(torch.equal(p, b) for p, b in zip(net.parameters(), before, strict=True))
+    optimizer.zero_grad()
     for name, again in (("model", net), ("prepared model", model), ("optimizer", optimizer), ("loader", loader)):
         try:
             par.prepare(again)

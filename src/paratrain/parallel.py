@@ -121,7 +121,9 @@ class Parallel:
         self._micro = Recording(self._ledger)  # the micro-batch accumulate() is feeding
         self._warned_unmatched = False
         self._forward_ran = False  # a prepared model ran forward with autograd: backward has a loss of ours
-        self._in_backward = False  # inside par.backward(): a prepared model's outputs expect their gradient
+        self._first_forward: list[RemovableHandle] = []  # one process: the hooks that watch for that forward
+        self._backwards = 0  # par.backward() calls so far; a prepared optimizer's step needs one since its last
+        self._stepped_at: dict[int, int] = {}  # a prepared optimizer (by id) -> self._backwards at its last step
         self._prepared: weakref.WeakSet[Any] = weakref.WeakSet()  # what prepare() took and returned: never twice
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._trains: dict[int, set[int]] = {}  # a prepared optimizer (by id) -> the model parameters it trains
@@ -232,7 +234,8 @@ class Parallel:
             wrapped = self.strategy.wrap_model(obj)
             if self.world_size > 1:  # in one process every loss weighs 1: nothing to find out per forward
                 self._handles.append(wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True))
-            self._handles.append(wrapped.register_forward_hook(self._watch_backward))
+            elif not self._forward_ran:  # one process: only the first forward is watched (backward's check)
+                self._first_forward.append(wrapped.register_forward_pre_hook(self._note_first_forward))
             self._handles += self.precision.attach(wrapped)
             return wrapped
         if isinstance(obj, torch.optim.Optimizer):
@@ -242,6 +245,7 @@ class Parallel:
             prepared = self.strategy.wrap_optimizer(obj)
             self._optimizers.append(weakref.ref(prepared))
             self._trains[id(prepared)] = trains
+            self._stepped_at[id(prepared)] = self._backwards
             self._handles.append(prepared.register_step_pre_hook(self._before_step))
             return prepared
         if isinstance(obj, Iterable):
@@ -254,25 +258,13 @@ class Parallel:
 
     # -- the step ---------------------------------------------------------------------------------------------
 
-    def _watch_backward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """A prepared model's forward with autograd: its outputs refuse a backward that is not par.backward()."""
-        if not torch.is_grad_enabled():
-            return
-        self._forward_ran = True
-        outputs = [output] if isinstance(output, torch.Tensor) else flatten(output)[0]
-        for tensor in outputs:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._refuse_plain_backward)
-
-    def _refuse_plain_backward(self, grad: torch.Tensor) -> None:
-        """A gradient reached a prepared model's output outside par.backward(): ``loss.backward()``."""
-        if not self._in_backward:
-            raise ConfigError(
-                "loss.backward() on a loss of a model par.prepare() returned: under Parallel the backward goes "
-                "through par.backward(loss), which weighs each process's loss by its share of the global batch "
-                "(uneven shares drift otherwise) and scales it under 16-mixed. Replace loss.backward() with "
-                "par.backward(loss) (the raw paratrain.DistributedDataParallel keeps torch's loss.backward())"
-            )
+    def _note_first_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """In one process: a prepared model ran forward with autograd; the hooks go, so later steps cost nothing."""
+        if torch.is_grad_enabled():
+            self._forward_ran = True
+            for handle in self._first_forward:
+                handle.remove()
+            self._first_forward.clear()
 
     def _bind_share(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A prepared model's forward: the next backward weighs its loss by the share of the batch fed here.
@@ -342,11 +334,8 @@ class Parallel:
         share, fraction = self._ledger.take()
         weight = self.strategy.loss_weight(share.local, share.total) if share is not None and share.total else 1.0
         weight *= fraction
-        self._in_backward = True
-        try:
-            self.strategy.backward(self.precision.scale(loss if weight == 1.0 else loss * weight))
-        finally:
-            self._in_backward = False
+        self.strategy.backward(self.precision.scale(loss if weight == 1.0 else loss * weight))
+        self._backwards += 1
         self._local_grads = self._no_sync_depth > 0
 
     @contextmanager
@@ -448,11 +437,26 @@ class Parallel:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """A prepared optimizer's step pre-hook: refuse steps that would apply the wrong gradients."""
         self._check_synchronised("optimizer.step()")
+        closure = len(args) > 1 or (kwargs or {}).get("closure") is not None  # args: (optimizer, closure?)
+        if self._stepped_at.get(id(optimizer)) == self._backwards and not closure:  # its backward runs inside
+            self._refuse_plain_backward(optimizer)
         if self.precision.scaled and not self._stepping:
             raise ConfigError(
                 f"under precision {self.precision.name!r} the gradients carry the loss scale: step with "
                 f"par.step(optimizer), which unscales them and skips steps with inf/nan gradients, instead of "
                 f"optimizer.step()"
+            )
+        self._stepped_at[id(optimizer)] = self._backwards  # a step refused above did not happen
+
+    def _refuse_plain_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """A step on gradients that no par.backward() made since this optimizer's last step: loss.backward()."""
+        if any(p.grad is not None for p in _params_of(optimizer)):
+            raise ConfigError(
+                "optimizer.step() on gradients that no par.backward() made since this optimizer's last step: the "
+                "loop calls loss.backward(), which skips par.backward()'s weighting of each process's loss by its "
+                "share of the global batch (uneven shares drift) and its loss scaling under 16-mixed. Replace "
+                "loss.backward() with par.backward(loss) (the raw paratrain.DistributedDataParallel keeps torch's "
+                "loss.backward())"
             )
 
     def _check_synchronised(self, what: str) -> None:
@@ -524,9 +528,10 @@ class Parallel:
 
         ``clean=False`` (leaving on an error) skips waiting for the other processes.
         """
-        for handle in self._handles:
+        for handle in (*self._handles, *self._first_forward):
             handle.remove()
         self._handles.clear()
+        self._first_forward.clear()
         self.strategy.teardown(clean)
 
     def __enter__(self) -> Parallel:
