@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 
 from ddp_scenarios import (
@@ -169,3 +177,62 @@ def test_the_watchdog_names_the_missing_rank_and_ends_the_process(tmp_path, capf
     err = capfd.readouterr().err
     assert "paratrain: rank 0: gradient all-reduce of bucket 0" in err
     assert "did not complete within 2s: rank(s) 1 did not arrive" in err
+
+
+SCRIPTS = Path(__file__).parent / "scripts"
+USER_CODE = 7  # what tests/scripts/user_shape_error.py exits with once it caught the error
+# (API, gloo's worker slow to let go of each finished collective); slow launches need a C compiler
+SHAPE_ERROR_JOBS = [(api, slow) for api in ("ddp", "zero2") for slow in (False, True)]
+
+
+def _slow_release_library(tmp_path: Path) -> Path | None:
+    """tests/scripts/slow_gloo_release.c built for LD_PRELOAD; None without a C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    built = tmp_path / "slow_gloo_release.so"
+    source = SCRIPTS / "slow_gloo_release.c"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(built), str(source), "-ldl"], check=True, timeout=60)
+    return built
+
+
+def _launch_shape_error(api: str, preload: Path | None, workdir: Path) -> tuple[int, str]:
+    workdir.mkdir()
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "user_shape_error.py"), "--api", api]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLOW_GLOO_RELEASE_MS": "10"}
+    if preload is not None:
+        env["LD_PRELOAD"] = str(preload)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env, cwd=workdir)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.processes
+def test_ranks_that_catch_the_start_up_error_exit_with_the_users_code_every_time(tmp_path):
+    """Issue 24: each rank catches the DistributedError naming the shapes and exits 7; a rank used to die at exit
+    with SIGABRT ("terminate called without an active exception") when gloo's worker thread dropped the last
+    reference to the start-up check's Work while the interpreter finalized (about 1 launch in 100 here, 3 in 12
+    on a busier machine). Half the launches give that thread the delay of a loaded machine
+    (tests/scripts/slow_gloo_release.c), which made every one of them abort."""
+    library = _slow_release_library(tmp_path)
+    with ThreadPoolExecutor(2) as pool:  # two jobs of two ranks each keep a 2-core machine busy
+        runs = list(
+            pool.map(
+                lambda i: _launch_shape_error(
+                    SHAPE_ERROR_JOBS[i][0], library if SHAPE_ERROR_JOBS[i][1] else None, tmp_path / f"launch{i}"
+                ),
+                range(len(SHAPE_ERROR_JOBS)),
+            )
+        )
+    for (api, slow), (code, output) in zip(SHAPE_ERROR_JOBS, runs, strict=True):
+        tail = f"{api}{', slow release' if slow else ''}: exit {code}\n{output[-4000:]}"
+        assert "terminate called" not in output and "SIGABRT" not in output, tail
+        assert "rank 0 has '0.weight' (5, 4) float32 but rank 1 has '0.weight' (6, 4) float32" in output, tail
+        # torchrun exits 1 for a failed job and names each rank's code: the user's, or its SIGTERM to the other
+        # rank, which it stops once the first exits
+        codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", output)]
+        assert code == 1 and codes and set(codes) <= {USER_CODE, -15} and USER_CODE in codes, tail
+        root = output.split("Root Cause")[-1]
+        assert re.search(rf"exitcode\s*:\s*{USER_CODE}\b", root), tail
+        if slow and library is not None:  # the delay really reached gloo's thread (a torch build may call it apart)
+            assert "slow_gloo_release: gloo's worker keeps each finished Work" in output, tail

@@ -27,7 +27,8 @@ would outlive its error by that long. The error is a :class:`CollectiveError`, t
 :attr:`CollectiveMonitor.failure`, and the group is kept alive to the end of the process
 (:func:`paratrain.comm.process_groups.keep_forever`):
 the exception reaches the user's script, the process exits as any failing script does, and the launcher stops
-the other ranks.
+the other ranks. The ``Work`` that timed out or failed is kept as well, so that gloo's thread, which ends it,
+never drops its last reference while the interpreter finalizes (:mod:`paratrain.comm.process_groups`).
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class CollectiveMonitor:
                 done = threading.Event()
                 handle.add_done_callback(lambda _: done.set())
                 if not done.wait(self.timeout):
+                    keep_forever(handle)  # gloo's thread completes it some day: never its last reference
                     raise self._failed(self.timeout_error(seq, what))
             return handle.wait()
         if not self.host_waits and self.timeout is not None and self._board is not None:

@@ -4,6 +4,17 @@ Timeouts as seconds, waiting on a ``Work`` with the backend's own timeout, launc
 holds no Python object (so a finished job's worker cannot abort at exit), keeping a group whose collective
 failed alive to the end of the process, and the group's own collective count. :mod:`paratrain.comm.collectives`
 builds the monitor on these; the reducer, the DDP set-up and the strategies use them directly.
+
+A ``Work`` outlives its Python handle on gloo's worker thread (``pt_gloo_runloop``), which drops its own
+reference a moment after it completed the collective. The Work holds the collective's tensors, and a tensor
+made in Python keeps its Python object alive while C++ references it (torch's PyObject preservation): the
+last C++ reference that goes decrefs that object, which takes the GIL. When the worker's reference is the
+last one and the interpreter is finalizing by then, CPython ends the worker with ``pthread_exit``, whose
+unwinding through the Work's ``noexcept`` destructor calls ``std::terminate`` ("terminate called without an
+active exception", SIGABRT). That happens when the process exits within milliseconds of a collective: after
+an error raised on its result (a user who catches paratrain's error and exits) or after one that failed. So
+every Work an error is raised about is kept to the end of the process (:func:`keep_forever`): the worker's
+reference is then never the last, and the operating system reclaims the Work with the process.
 """
 
 from __future__ import annotations
@@ -35,10 +46,15 @@ def to_seconds(timeout: float | timedelta | None) -> float | None:
 
 
 def wait_work(work: Any, timeout: float | None) -> bool:
-    """Wait for a ``Work`` with the backend's own timeout; False when it timed out, other failures raise."""
+    """Wait for a ``Work`` with the backend's own timeout; False when it timed out, other failures raise.
+
+    A Work that timed out or failed is kept to the end of the process (see the module docstring): gloo's thread
+    drops its reference when the collective ends, which may be while the interpreter finalizes.
+    """
     try:
         work.wait() if timeout is None else work.wait(timedelta(seconds=timeout))
     except RuntimeError as exc:
+        keep_forever(work)
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             return False
         raise
@@ -75,15 +91,19 @@ def no_python_in_work() -> Iterator[None]:
         torch._C._stash_obj_in_tls(_TLS_KEY, stashed)
 
 
-def keep_forever(group: Any) -> None:
-    """Never destroy ``group``: it holds a collective that will not complete (see the module docstring).
+def keep_forever(*objects: Any) -> None:
+    """Never free ``objects``: a group that holds a collective that will not complete (see
+    :mod:`paratrain.comm.collectives`), or the ``Work`` of a collective an error is raised about (see the module
+    docstring).
 
-    HACK: one reference more than anything will release (the C API's Py_IncRef), so the group's destructor,
-    which would join gloo's threads blocked in the lost collective, never runs; the operating system reclaims
-    it with the process. tests/test_hangs.py checks that a job with a stalled rank still ends promptly (it fails
-    if a torch upgrade brings a destructor that waits elsewhere).
+    HACK: one reference more than anything will release (the C API's Py_IncRef), so a group's destructor,
+    which would join gloo's threads blocked in the lost collective, never runs, and a Work's last reference is
+    never gloo's; the operating system reclaims them with the process. tests/test_hangs.py checks that a job with
+    a stalled rank still ends promptly (it fails if a torch upgrade brings a destructor that waits elsewhere);
+    tests/test_distributed.py that ranks which catch the start-up error exit with the user's code.
     """
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def group_sequence(group: Any) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import itertools
+import json
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm.process_groups import group_sequence, wait_work
+from paratrain.comm.process_groups import group_sequence, keep_forever, wait_work
 from paratrain.devices import DeviceLike, parse_device
 from paratrain.errors import ConfigError, DeviceError, DistributedError
 
@@ -154,25 +155,49 @@ def agree_at_start_up(group: Any, signature: list[Any], timeout: float | None, d
     One all-gather carries a digest of the signature and how many collectives the group has run (torch counts
     them per group). The namespace is built from the largest count: the same on every rank, and larger than that
     of any earlier wrapper over the group, so its store keys can neither drift apart across ranks nor collide
-    with another wrapper's.
+    with another wrapper's. Where the digests differ, the signatures themselves are gathered for the error, and
+    the Works of these collectives are kept to the end of the process: the error is raised a moment after they
+    completed, and the user's script may exit at once (see :mod:`paratrain.comm.process_groups`).
     """
     world_size = dist.get_world_size(group)
     digest = int.from_bytes(hashlib.sha256(repr(signature).encode()).digest()[:7], "big")
     mine = torch.tensor([digest, group_sequence(group)], dtype=torch.int64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(world_size)]
     work = dist.all_gather(everyone, mine, group=group, async_op=True)
+    _wait_for_everyone(work, timeout)
+    agreed = max(int(t[1]) for t in everyone)
+    if any(int(t[0]) != digest for t in everyone):
+        keep_forever(work)
+        raise DistributedError(describe_mismatch(_gather_signatures(group, signature, timeout, device)))
+    return f"ddp-{group_name(group)}-{agreed}"
+
+
+def _wait_for_everyone(work: Any, timeout: float | None) -> None:
     if not wait_work(work, timeout):
         raise DistributedError(
             f"rank {dist.get_rank()}: the start-up check of DistributedDataParallel did not complete within "
             f"{timeout:g}s: some rank of the group has not constructed its wrapper (or is stuck). Wrap the "
             f"model in every process, at the same point of the script"
         )
-    agreed = max(int(t[1]) for t in everyone)
-    if any(int(t[0]) != digest for t in everyone):
-        signatures: list[Any] = [None] * world_size
-        dist.all_gather_object(signatures, signature, group=group)
-        raise DistributedError(describe_mismatch(signatures))
-    return f"ddp-{group_name(group)}-{agreed}"
+
+
+def _gather_signatures(group: Any, signature: list[Any], timeout: float | None, device: torch.device) -> list[Any]:
+    """Every rank's signature (as JSON: nothing is unpickled from the other ranks), on the way to the start-up
+    error; the Works of its two all-gathers are kept to the end of the process (see agree_at_start_up)."""
+    world_size = dist.get_world_size(group)
+    encoded = torch.tensor(list(json.dumps(signature).encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([encoded.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world_size)]
+    work = dist.all_gather(lengths, length, group=group, async_op=True)
+    keep_forever(work)
+    _wait_for_everyone(work, timeout)
+    padded = torch.zeros(max(int(n) for n in lengths), dtype=torch.uint8, device=device)
+    padded[: encoded.numel()] = encoded
+    parts = [torch.zeros_like(padded) for _ in range(world_size)]
+    work = dist.all_gather(parts, padded, group=group, async_op=True)
+    keep_forever(work)
+    _wait_for_everyone(work, timeout)
+    return [json.loads(bytes(part[: int(n)].tolist())) for part, n in zip(parts, lengths, strict=True)]
 
 
 def group_name(group: Any) -> str:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.comm.process_groups import keep_forever, wait_work
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.flat_unit import ShardedUnit
 from paratrain.sharded.units import UnitPlan
@@ -114,9 +115,11 @@ def check_same_everywhere(units: Sequence[ShardedUnit], group: object, device: t
         return
     mine = torch.tensor([u.checksum for u in units], dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine, group=group)  # type: ignore[arg-type]
+    work = dist.all_gather(everyone, mine, group=group, async_op=True)  # type: ignore[arg-type]
+    wait_work(work, None)
     differ = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
     if differ:
+        keep_forever(work)  # the user may exit a moment after it completed (see paratrain.comm.process_groups)
         raise DistributedError(
             f"the model built on the meta device was initialised differently on ranks {differ} than on rank 0: "
             f"each rank keeps only its shard of the weights, so every process must draw the same ones. Seed every "
