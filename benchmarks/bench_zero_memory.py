@@ -1,18 +1,33 @@
-"""How many bytes of model state does each rank hold under ddp, zero1 and zero2, against the ZeRO formula?
+"""How much memory does each rank hold, and at most use, under ddp, zero1 and zero2, against the ZeRO formula?
 
     python benchmarks/bench_zero_memory.py                 # N = 1..4 ranks over gloo, the 10M MLP and a 53.6M one
     python benchmarks/bench_zero_memory.py --quick         # the 10M MLP at N = 1, 2 only: a smoke run
 
-In every rank, for each strategy in turn (the same processes, the same model and data): fp32 AdamW, one training
-step, then every tensor alive in the process is found (``gc``), tensors sharing storage counted once, and their
-storage bytes summed, less what the process held before the model was built. That is the model state the rank
-actually holds at the end of a step: the weights, the gradients (whole under ddp and zero1, where the buckets are
-the gradients; this rank's parts under zero2), and AdamW's two moments (whole, or this rank's shard). No bucket is
-in flight then: zero2 gives each bucket's buffer back once its reduce-scatter is done.
+Each (model, N, strategy) runs in N fresh processes of its own: fp32 AdamW, :data:`STEPS` training steps
+(``par.backward``, ``par.step``, ``zero_grad``), the same model and data for every strategy. Two figures per rank:
 
-The formula (Rajbhandari et al. 2020, fp32 AdamW, Ψ parameters, N ranks): ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2
-4Ψ + 12Ψ/N. The target: every measured figure within 5% of it (the padding of each bucket to N equal parts and
-the batch are what separate them).
+- held: after the last step every tensor alive in the process is found (``gc``), tensors sharing storage counted
+  once, and their storage bytes summed, less what the process held before the model was built. That is the
+  model state the rank keeps between steps: the weights, the gradients (whole under ddp and zero1, this rank's
+  parts under zero2) and AdamW's two moments (whole, or this rank's shard). The formula (Rajbhandari et al.
+  2020, Ψ parameters, N ranks): ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N; the target: within 5%.
+- peak: on CPU, the process's peak resident set (``VmHWM`` in /proc/self/status, reset through
+  /proc/self/clear_refs just before the model is built; ``ru_maxrss`` where that cannot be reset) less the
+  resident set at that moment. That is what the machine sees, and it counts every allocation: the buffers of
+  backward, the optimizer's temporaries, and what the gloo backend allocates inside a collective (its
+  reduce-scatter clones the whole input, its all-gather gathers into a flat buffer of its own), which a tracker
+  of Python-visible tensors (a ``TorchDispatchMode``) never sees. That is why this benchmark reads the resident
+  set and not such a tracker, and why every strategy gets fresh processes: a process's peak is the peak of
+  everything it ran before, and freed memory that malloc keeps would be counted for the next strategy. The
+  resident set also counts malloc's own retention, so it is an upper bound of the live bytes, the same for
+  every strategy. On CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less what was
+  allocated then. The target: zero2 <= zero1 <= ddp at every N > 1.
+
+The ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` (:data:`FIXED_MALLOC`): every block of 64 KiB or more is mapped
+on its own and unmapped when freed, so the resident set follows the live bytes and the peak is their high-water
+mark. With glibc's defaults (``--system-malloc``) freed blocks up to 32 MiB are kept for reuse, in one arena per
+thread, and the peak also counts what malloc kept, which depends on the order of allocations more than on what
+the strategy needs.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import sys
 import tempfile
 from datetime import timedelta
@@ -37,6 +53,7 @@ import paratrain
 
 STRATEGIES = ("ddp", "zero1", "zero2")
 TOLERANCE = 0.05
+STEPS = 3  # training steps measured: a step after the first also holds what the one before it left behind
 BYTES_PER_PARAM = {  # (whole, divided by N): fp32 weights 4, gradients 4, AdamW's two moments 8
     "ddp": (16, 0),
     "zero1": (8, 8),
@@ -46,6 +63,12 @@ MODELS = {  # name: (input width, hidden width, hidden layers)
     "mlp 10M": (784, 2048, 3),
     "mlp 53.6M": (784, 4096, 4),
 }
+# every allocation of 64 KiB or more its own mapping, unmapped when freed (glibc): the resident set follows the live
+# bytes. By default glibc raises that threshold to the largest block freed (up to 32 MiB) and keeps freed blocks
+# below it for reuse, so the peak would count what malloc kept, more in the arenas of gloo's threads
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
 
 
 def mlp(inputs: int, width: int, depth: int) -> nn.Module:
@@ -64,45 +87,106 @@ def held_bytes() -> int:
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__, which some lazy module objects warn about
         if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
-            storage = obj.untyped_storage()
+            try:
+                storage = obj.untyped_storage()
+                pointer = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue  # a wrapper without storage of its own (zero2's placeholder gradients): no bytes
             if storage.nbytes():
-                storages[storage.data_ptr()] = storage.nbytes()
+                storages[pointer] = storage.nbytes()
     return sum(storages.values())
 
 
-def measure(strategy: str, spec: tuple[int, int, int], batch: int) -> dict[str, Any]:
-    before = held_bytes()
-    with paratrain.Parallel(strategy, "cpu") as par:
+class PeakMeter:
+    """The peak memory of this process from :meth:`start` on, less what it used at that moment (module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.method = ""
+        self.base = 0
+
+    def start(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.method, self.base = "torch.cuda.max_memory_allocated", torch.cuda.memory_allocated()
+            return
+        try:
+            _CLEAR_REFS.write_text("5")  # resets VmHWM to the current resident set (Linux 4.0 on)
+            self.method = "VmHWM"
+        except OSError:
+            self.method = "ru_maxrss"  # cannot be reset: right only if the peak so far is the resident set now
+        self.base = _status_kib("VmRSS") * 1024
+
+    def peak(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        if self.method == "VmHWM":
+            return _status_kib("VmHWM") * 1024 - self.base
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base
+
+
+def _status_kib(field: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{_STATUS} has no {field} line; this benchmark reads the resident set on Linux")
+
+
+def measure(strategy: str, spec: tuple[int, int, int], batch: int, device: torch.device) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(batch, spec[0], generator=g), torch.randint(0, 10, (batch,), generator=g))] * STEPS
+    with paratrain.Parallel(strategy, device.type) as par:
+        before = held_bytes()
+        meter = PeakMeter(device)
+        meter.start()
         net = mlp(*spec)
         params = sum(p.numel() for p in net.parameters())
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(1)
-        data = [(torch.randn(batch, spec[0], generator=g), torch.randint(0, 10, (batch,), generator=g))]
         net, opt, loader = par.prepare(net, opt, data)
         for x, y in loader:
             par.backward(nn.functional.cross_entropy(net(x), y))
             par.step(opt)
-        del x, y, loader, data
+            opt.zero_grad()
+        peak = meter.peak()
+        del x, y, loader
         held = held_bytes() - before
         del net, opt
-    gc.collect()
-    return {"params": params, "bytes": held}
+    return {"params": params, "bytes": held, "peak_bytes": peak, "peak_method": meter.method}
 
 
-def worker(rank: int, world: int, store: str, models: list[str], out: str) -> None:
+def worker(rank: int, world: int, store: str, model: str, strategy: str, out: str) -> None:
     torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if torch.cuda.device_count() >= world else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     init = f"file://{store}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=600))
-    found = {name: {s: measure(s, MODELS[name], 4 * world) for s in STRATEGIES} for name in models}
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    found = measure(strategy, MODELS[model], 4 * world, device)
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
     dist.barrier()
     os._exit(0)  # the group's teardown is not what is measured
 
 
-def run(world: int, models: list[str]) -> list[dict[str, Any]]:
+def run(world: int, model: str, strategy: str) -> list[dict[str, Any]]:
+    """One strategy on one model at ``world`` ranks, in fresh processes: each rank's figures."""
     with tempfile.TemporaryDirectory(prefix="bench-zero-memory-") as tmp:
-        mp.start_processes(worker, args=(world, f"{tmp}/store", models, tmp), nprocs=world, start_method="spawn")
+        args = (world, f"{tmp}/store", model, strategy, tmp)  # the children read MALLOC_* from the environment
+        mp.start_processes(worker, args=args, nprocs=world, start_method="spawn")
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def formula_bytes(strategy: str, params: int, world: int) -> float:
+    whole, divided = BYTES_PER_PARAM[strategy]
+    return whole * params + divided * params / world
+
+
+def in_order(peaks: dict[str, int]) -> bool:
+    """The target: zero2 <= zero1 <= ddp (each the worst rank's peak)."""
+    return peaks["zero2"] <= peaks["zero1"] <= peaks["ddp"]
 
 
 def main() -> int:
@@ -110,20 +194,27 @@ def main() -> int:
     parser.add_argument("--max-world-size", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="the 10M MLP at N = 1, 2: a smoke run")
     parser.add_argument("--out", help="where the JSON goes (default: benchmarks/results/)")
+    parser.add_argument(
+        "--system-malloc", action="store_true", help="malloc's defaults: the peak then counts what malloc keeps"
+    )
     args = parser.parse_args()
+    if not args.system_malloc:
+        os.environ.update(FIXED_MALLOC)  # inherited by the spawned ranks, read by malloc when it starts
     models = ["mlp 10M"] if args.quick else list(MODELS)
     sizes = range(1, (2 if args.quick else args.max_world_size) + 1)
-    rows, results = [], []
-    for n in sizes:
-        ranks = run(n, models)
-        for name in models:
+    rows, results, orders = [], [], []
+    for name in models:
+        for n in sizes:
+            peaks = {}
             for strategy in STRATEGIES:
-                measured = [rank[name][strategy]["bytes"] for rank in ranks]
-                psi = ranks[0][name][strategy]["params"]
-                whole, divided = BYTES_PER_PARAM[strategy]
-                formula = whole * psi + divided * psi / n
+                ranks = run(n, name, strategy)
+                measured = [rank["bytes"] for rank in ranks]
+                peak = [rank["peak_bytes"] for rank in ranks]
+                psi = ranks[0]["params"]
+                formula = formula_bytes(strategy, psi, n)
                 worst = max(measured, key=lambda b: abs(b / formula - 1))
                 error = worst / formula - 1
+                peaks[strategy] = max(peak)
                 results.append(
                     {
                         "model": name,
@@ -131,29 +222,40 @@ def main() -> int:
                         "world_size": n,
                         "strategy": strategy,
                         "measured_bytes_per_rank": measured,
+                        "peak_bytes_per_rank": peak,
+                        "peak_method": ranks[0]["peak_method"],
                         "formula_bytes": formula,
                         "error": error,
                         "within": abs(error) <= TOLERANCE,
                     }
                 )
+                whole, divided = BYTES_PER_PARAM[strategy]
                 rows.append(
                     [
                         name,
                         n,
                         strategy,
                         f"{max(measured) / 2**20:.1f}",
+                        f"{max(peak) / 2**20:.1f}",
                         f"{formula / 2**20:.1f}",
                         f"{whole}+{divided}/N" if divided else f"{whole}",
                         f"{error:+.2%}",
                         "yes" if abs(error) <= TOLERANCE else "NO",
                     ]
                 )
-    headers = ["model", "N", "strategy", "measured MiB/rank", "formula MiB", "bytes/param", "error", "within 5%"]
+            if n > 1:
+                orders.append({"model": name, "world_size": n, "in_order": in_order(peaks)})
+    headers = ["model", "N", "strategy", "held MiB", "peak MiB", "formula MiB", "bytes/param", "error", "within 5%"]
     print_table(headers, rows)
-    print("\nmeasured: every tensor alive in the rank after one fp32 AdamW step, storages counted once (the worst")
-    print("rank's); formula: ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N")
-    ok = all(r["within"] for r in results)
-    write_json("bench_zero_memory", {"tolerance": TOLERANCE, "ok": ok, "results": results}, args.out)
+    print(f"\nheld: every tensor alive in the rank after {STEPS} fp32 AdamW steps, storages counted once; peak: the")
+    print("rank's peak resident set during the steps less its resident set before the model was built (CUDA:")
+    print("max_memory_allocated); both the worst rank's. formula: ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N")
+    for order in orders:
+        verdict = "yes" if order["in_order"] else "NO"
+        print(f"peak zero2 <= zero1 <= ddp, {order['model']} at N = {order['world_size']}: {verdict}")
+    ok = all(r["within"] for r in results) and all(o["in_order"] for o in orders)
+    payload = {"tolerance": TOLERANCE, "steps": STEPS, "ok": ok, "results": results, "peak_order": orders}
+    write_json("bench_zero_memory", payload, args.out)
     return 0 if ok else 1
 
 

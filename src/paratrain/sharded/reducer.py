@@ -8,9 +8,13 @@ DDP reducer's (:mod:`paratrain.ddp.reducer`, which calls this collective as it c
 :mod:`paratrain.ddp.bucket_collective`); what differs is where gradients go:
 
 - a bucket's flat buffer exists only while the bucket fills and its reduce-scatter runs: it is taken when the
-  bucket's first gradient arrives and given back once its collective is done, with at most
-  :data:`MAX_IN_FLIGHT` buckets launched and unfinished at a time (the oldest is waited for before another
-  buffer is taken), so the full gradient never exists at once;
+  bucket's first gradient arrives and freed once its collective is done (its storage emptied at once: the Work the
+  reducer keeps for a step must not keep the bytes), with at most :data:`MAX_IN_FLIGHT` bucket launched and
+  unfinished at a time (it is waited for before another buffer is taken: two buffers at most), so the full
+  gradient never exists at once;
+- on CPU (gloo) a bucket is all-reduced in place and this rank's part copied out: gloo's own reduce-scatter is that
+  all-reduce on a clone of the whole bucket, which its Work holds, so every bucket's clone lived through the step
+  and the next backward, and zero2's peak was above zero1's and ddp's (issue 25); the sums are the same numbers;
 - each parameter's gradient is copied in (divided by the world size, as DDP divides it) and its ``.grad`` freed
   at once; inside ``no_sync`` gradients accumulate in ``.grad`` as under DDP, and the synchronising backward
   copies the sum;
@@ -47,7 +51,9 @@ from paratrain.sharded.partition import BucketShards, shard_bucket
 
 __all__ = ["MAX_IN_FLIGHT", "ReduceScatter", "all_gather_into", "reduce_scatter_into"]
 
-MAX_IN_FLIGHT = 2  # buckets whose reduce-scatter may run at once; each holds a full bucket buffer meanwhile
+# buckets whose reduce-scatter may run while the next one fills: two buffers at most (one filling, one reduced).
+# Two in flight (three buffers) made zero2's peak during backward exceed zero1's at the 53.6M MLP (issue 25)
+MAX_IN_FLIGHT = 1
 
 
 def reduce_scatter_into(output: torch.Tensor, buffer: torch.Tensor, group: Any) -> Any:
@@ -94,6 +100,9 @@ class ReduceScatter(BucketCollective):
         self._placeholders = [torch.empty(0, dtype=b.dtype, device=b.device) for b in self.buckets]
         self.buffers = list(self._placeholders)
         self.views = [self._placeholders[self.bucket_of[i]] for i in range(len(self.params))]
+        # gloo's reduce-scatter clones the whole input and all-reduces the clone, which the Work keeps (and the
+        # reducer keeps each Work a step): CPU buckets are all-reduced in place and this rank's part copied out
+        self.in_place = all(b.device.type == "cpu" for b in self.buckets) or dist.get_backend(group) == "gloo"
         self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
         self._works: dict[int, tuple[Any, int]] = {}  # each unfinished bucket's Work and collective number
         # between a synchronised backward and the next forward, a reduced parameter's .grad is a placeholder
@@ -116,9 +125,15 @@ class ReduceScatter(BucketCollective):
             p = self.params[i]
             self.views[i] = buffer.narrow(0, offset, p.numel()).view_as(p)
 
-    def _release(self, b: int) -> None:
-        """Give bucket ``b``'s buffer back: its placeholder stands in again."""
+    def _release(self, b: int, *, finished: bool) -> None:
+        """Give bucket ``b``'s buffer back: its placeholder stands in again.
+
+        ``finished``: its collective was waited for, so its memory is freed now (the storage emptied), not when the
+        Work that the reducer keeps until the next step ends lets go of it (a Work holds its tensors: the whole
+        gradient, every bucket of it, would stay alive through the step and the next backward)."""
         empty = self._placeholders[b]
+        if finished:
+            self.buffers[b].untyped_storage().resize_(0)
         self.buffers[b] = empty
         for i in self.buckets[b].indices:
             self.views[i] = empty
@@ -138,7 +153,7 @@ class ReduceScatter(BucketCollective):
         self.guard.disarm(self.params)  # autograd may add to .grad again
         # what a backward that failed half-way left behind (the next forward starts clean)
         for b in list(self._unfinished):
-            self._release(b)
+            self._release(b, finished=False)  # its collective may still read the buffer: only dropped
         if not sync and self.held:
             self._restore()  # inside no_sync autograd adds to .grad from the first gradient on
 
@@ -175,7 +190,10 @@ class ReduceScatter(BucketCollective):
 
     def start(self, b: int, seq: int) -> Any:
         self._ensure(b)
-        work = reduce_scatter_into(self.grads[b], self.buffers[b], self.group)
+        if self.in_place:
+            work = dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
+        else:
+            work = reduce_scatter_into(self.grads[b], self.buffers[b], self.group)
         self._unfinished.append(b)
         self._works[b] = (work, seq)
         return work
@@ -184,11 +202,18 @@ class ReduceScatter(BucketCollective):
         """Wait for bucket ``b``'s reduce-scatter and give its buffer back."""
         work, seq = self._works[b]
         self.monitor.wait(work, seq, f"gradient reduce-scatter of bucket {b}")
-        self._release(b)
+        self._finish(b)
 
     def done(self, b: int, result: Any) -> None:
         if b in self._works:
-            self._release(b)  # waited for by the reducer: the buffer is free
+            self._finish(b)  # waited for by the reducer: the buffer is free
+
+    def _finish(self, b: int) -> None:
+        """Bucket ``b``'s collective is done: this rank's part kept (from the all-reduced buffer), the buffer freed."""
+        if self.in_place:
+            part = self.shards[b].part
+            self.grads[b].copy_(self.buffers[b].narrow(0, self.rank * part, part))
+        self._release(b, finished=True)
 
     def write_back(self, used: list[int] | None) -> None:
         # every bucket was waited for and given back (done): no rank holds a whole gradient afterwards
