@@ -221,6 +221,13 @@ def test_ddp_options_for_a_strategy_in_one_process_are_refused(strategy, devices
         paratrain.Parallel(SingleDevice(torch.device("cpu")), **option)
 
 
+def test_the_train_jobs_ddp_settings_reach_its_strategy():
+    # train() itself (what each launched rank runs) hands them to Parallel, which refuses them for 'single'
+    config = TrainConfig(strategy="single", devices="cpu", epochs=1, max_steps=1, quiet=True, static_graph=True)
+    with pytest.raises(ConfigError, match="found strategy 'single' with static_graph=True"):
+        train(config)
+
+
 def test_auto_in_one_process_leaves_ddp_options_for_when_it_picks_ddp():
     with paratrain.Parallel("auto", "cpu", find_unused_parameters=True, bucket_cap_mb=5) as par:
         assert par.strategy_name == "single"
