@@ -199,3 +199,81 @@ def plain_backward_and_prepare_twice(rank: int, world: int) -> dict[str, Any]:
     found["weight"] = next(net.parameters()).detach().sum().item()
     par.close()
     return found
+
+
+class _SpareHead(torch.nn.Module):
+    """An mlp beside a head its forward never uses: under DDP that head needs find_unused_parameters or
+    static_graph (without either, backward waits for its gradient and fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.spare = torch.nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _train_spare_head(par: paratrain.Parallel | None) -> tuple[torch.nn.Module, Any]:
+    """Five SGD steps of a _SpareHead on the whole batches (par None: one process, no Parallel); the user's model
+    and what prepare() returned for it."""
+    net = _SpareHead()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader: Any = DataLoader(_data(4), batch_size=5)
+    model: Any = net
+    if par is not None:
+        model, optimizer, loader = par.prepare(net, optimizer, loader)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        par.backward(loss) if par is not None else loss.backward()
+        optimizer.step()
+    return net, model
+
+
+def _counting_hook(calls: list[int]) -> Any:
+    """A communication hook that averages a bucket as the built-in all-reduce does, noting each bucket it gets."""
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        calls.append(bucket.index())
+        buffer = bucket.buffer().div_(bucket.world_size)
+        work = torch.distributed.all_reduce(buffer, group=state, async_op=True)
+        assert work is not None
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    return hook
+
+
+def ddp_options_are_honoured(rank: int, world: int) -> dict[str, Any]:
+    """DDP's options given to Parallel reach the wrapper of every strategy that honours them, and work there."""
+    reference, _ = _train_spare_head(None)
+    found: dict[str, Any] = {}
+    for strategy in ("ddp", "zero1", "zero2"):
+        for option in ({"find_unused_parameters": True}, {"static_graph": True}):
+            with paratrain.Parallel(strategy, "cpu", **option) as par:
+                net, wrapper = _train_spare_head(par)
+                found[f"{strategy} {next(iter(option))}"] = {
+                    "set": [wrapper.find_unused_parameters, wrapper.static_graph],
+                    "vs_single": max_diff(net, reference),
+                    "spare_untouched": net.spare.weight.grad is None,
+                }
+        buckets = {}
+        for cap in (None, 0.001):  # MiB: the mlp's 1.3 KB of gradients fill one bucket, or several
+            with paratrain.Parallel(strategy, "cpu", bucket_cap_mb=cap) as par:
+                model = par.prepare(mlp())
+                buckets[str(cap)] = len(model.reducer.buckets)
+        found[f"{strategy} buckets"] = buckets
+    for strategy in ("ddp", "zero1"):
+        calls: list[int] = []
+        with paratrain.Parallel(strategy, "cpu", comm_hook=_counting_hook(calls), find_unused_parameters=True) as par:
+            net, _ = _train_spare_head(par)
+        found[f"{strategy} hook"] = {"calls": len(calls), "vs_single": max_diff(net, reference)}
+    for view in (True, False):
+        with paratrain.Parallel("ddp", "cpu", gradient_as_bucket_view=view, find_unused_parameters=True) as par:
+            model = par.prepare(_SpareHead())
+            x, y = next(iter(par.prepare(DataLoader(_data(4), batch_size=5))))
+            par.backward(F.cross_entropy(model(x), y))
+            buffers = {b.untyped_storage().data_ptr() for b in model.reducer.collective.buffers}
+            grads = [p.grad for p in par.unwrap(model).body.parameters()]
+            found[f"ddp grads are bucket views: {view}"] = [g.untyped_storage().data_ptr() in buffers for g in grads]
+    return found

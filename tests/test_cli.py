@@ -99,6 +99,33 @@ def test_timeout_for_a_run_in_one_process_is_refused(capsys, args):
     assert "--timeout is for strategy 'ddp'" in err and "which runs in this one process" in err
 
 
+@pytest.mark.parametrize(
+    "args, flags",
+    [
+        (["--find-unused-parameters"], "--find-unused-parameters is"),
+        (["--strategy", "dp", "--devices", "cpu,cpu", "--static-graph", "--bucket-cap-mb", "5"], "--static-graph, "),
+    ],
+)
+def test_ddp_options_for_a_run_in_one_process_are_refused(capsys, args, flags):
+    code, out, err = run_main(capsys, "train", *args)
+    assert code == 2 and "Epoch" not in out
+    assert flags in err and "for strategies ddp, zero1 and zero2" in err and "add --strategy ddp" in err
+
+
+def test_a_ddp_option_the_strategy_refuses_is_refused_before_any_rank_starts(capsys, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('strategy = "zero3"\nbucket-cap-mb = 8\nnproc-per-node = 2\n')  # a settings file picks it up
+    code, out, err = run_main(capsys, "train", "--config", str(config), "--devices", "cpu")
+    assert code == 2 and "Epoch" not in out and "rank" not in out
+    assert "--bucket-cap-mb is not supported under strategy zero3: zero3 reduces gradients unit by unit" in err
+    assert "drop --bucket-cap-mb, or use --strategy ddp, zero1 or zero2" in err
+
+
+def test_a_bucket_size_flag_says_what_it_takes(capsys):
+    code, _, err = run_main(capsys, "train", "--bucket-cap-mb", "0")
+    assert code == 2 and "--bucket-cap-mb" in err and "positive" in err
+
+
 def test_dp_on_one_device_says_it_runs_one_replica_and_counts_are_singular(capsys):
     code, out, err = run_main(capsys, "train", "--strategy", "dp", "--epochs", "1", "--max-steps", "1")
     assert code == 0, err

@@ -15,6 +15,7 @@ import paratrain
 from conftest import run_main
 from parallel_scenarios import (
     batched_loader_order,
+    ddp_options_are_honoured,
     eval_loader_between_forward_and_backward,
     forgot_prepare,
     gather_pads_and_trims,
@@ -24,7 +25,13 @@ from parallel_scenarios import (
     user_shuffle_order,
 )
 from paratrain.errors import ConfigError, DeviceError, ScatterError
-from paratrain.strategies import DataParallelStrategy, SingleDevice, resolve_strategy, select_strategy
+from paratrain.strategies import (
+    DataParallelStrategy,
+    DistributedStrategy,
+    SingleDevice,
+    resolve_strategy,
+    select_strategy,
+)
 from paratrain.training import TrainConfig, train
 from paratrain.training.datasets import load_dataset
 from paratrain.training.loader import DeviceLoader
@@ -189,6 +196,94 @@ def test_a_strategy_object_with_devices_or_timeout_is_refused():
     assert par.strategy_name == "single" and par.describe() == "single on cpu"
 
 
+# --- DDP's options through Parallel ---------------------------------------------------------------------------
+
+
+def _no_hook(state, bucket):  # a hook never called: these strategies refuse it when they are built
+    raise AssertionError("not called")
+
+
+@pytest.mark.parametrize(
+    "strategy, devices, option",
+    [
+        ("single", "cpu", {"find_unused_parameters": True}),
+        ("dp", "cpu,cpu", {"static_graph": True}),
+        ("dp", "cpu,cpu", {"bucket_cap_mb": 10}),
+        ("single", "cpu", {"gradient_as_bucket_view": False}),
+        ("dp", "cpu,cpu", {"comm_hook": _no_hook}),
+    ],
+)
+def test_ddp_options_for_a_strategy_in_one_process_are_refused(strategy, devices, option):
+    (name,) = option
+    with pytest.raises(ConfigError, match=rf"DDP options apply to ddp and zero1.*strategy '{strategy}' with {name}="):
+        paratrain.Parallel(strategy, devices, **option)
+    with pytest.raises(ConfigError, match=rf"{name}=.*pass them to the strategy's constructor"):
+        paratrain.Parallel(SingleDevice(torch.device("cpu")), **option)
+
+
+def test_the_train_jobs_ddp_settings_reach_its_strategy():
+    # train() itself (what each launched rank runs) hands them to Parallel, which refuses them for 'single'
+    config = TrainConfig(strategy="single", devices="cpu", epochs=1, max_steps=1, quiet=True, static_graph=True)
+    with pytest.raises(ConfigError, match="found strategy 'single' with static_graph=True"):
+        train(config)
+
+
+def test_auto_in_one_process_leaves_ddp_options_for_when_it_picks_ddp():
+    with paratrain.Parallel("auto", "cpu", find_unused_parameters=True, bucket_cap_mb=5) as par:
+        assert par.strategy_name == "single"
+
+
+@pytest.mark.parametrize(
+    "strategy, option, why",
+    [
+        ("zero1", {"gradient_as_bucket_view": False}, "its sharded optimizer reads"),
+        ("zero2", {"gradient_as_bucket_view": False}, "keeps no whole gradient"),
+        ("zero2", {"comm_hook": _no_hook}, "reduce-scattered, and a hook replaces an all-reduce; use strategy ddp"),
+        ("zero3", {"comm_hook": _no_hook, "comm_state": object()}, "reduce-scattered unit by unit"),
+        ("zero3", {"find_unused_parameters": True}, "no search for unused parameters"),
+        ("zero3", {"static_graph": True}, "no bucket reducer"),
+        ("zero3", {"bucket_cap_mb": 10}, r"unit by unit \(whole modules\), not in buckets; size the units"),
+        ("zero3", {"gradient_as_bucket_view": False}, "keeps no whole gradient"),
+    ],
+)
+def test_a_ddp_option_a_sharded_strategy_cannot_honour_is_refused_before_any_process_group(strategy, option, why):
+    name = next(iter(option))
+    # no launcher started this process: refused when the strategy is built, before setup() would say so
+    with pytest.raises(ConfigError, match=rf"^{name}=\S+ is not supported under {strategy}: .*{why}"):
+        paratrain.Parallel(strategy, "cpu", **option)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "option, expected",
+    [
+        ({"bucket_cap_mb": 0}, "must be positive; found 0"),
+        ({"bucket_cap_mb": -1.5}, "must be positive; found -1.5"),
+        ({"bucket_cap_mb": "25"}, "takes a number of MiB .*; found '25'"),
+        ({"bucket_cap_mb": True}, "takes a number of MiB"),
+        ({"bucket_cap_mb": float("inf")}, "takes a number of MiB"),
+        ({"find_unused_parameters": "yes"}, "find_unused_parameters takes True or False; found 'yes' \\(str\\)"),
+        ({"static_graph": 1}, "static_graph takes True or False"),
+        ({"comm_hook": 3}, "comm_hook must be callable as hook\\(state, bucket\\); found int"),
+        ({"comm_state": object()}, "no comm_hook was given.*pass comm_hook too, or drop comm_state"),
+    ],
+)
+def test_bad_ddp_option_values_say_what_was_expected(option, expected):
+    with pytest.raises(ConfigError, match=expected):
+        paratrain.Parallel("ddp", "cpu", **option)
+    with pytest.raises(ConfigError, match=expected):
+        paratrain.DDPOptions(**option)
+
+
+def test_ddp_takes_every_option_and_says_which_were_given():
+    options = paratrain.DDPOptions(
+        find_unused_parameters=True, static_graph=True, bucket_cap_mb=25, comm_hook=_no_hook, comm_state=None
+    )
+    assert options.given() == ["find_unused_parameters", "static_graph", "bucket_cap_mb", "comm_hook"]
+    assert paratrain.DDPOptions().given() == []
+    assert DistributedStrategy("cpu", options=options).options is options  # built: nothing refused
+
+
 def test_launcher_flags_without_ddp_are_a_usage_error(capsys):
     code, _, err = run_main(capsys, "train", "--devices", "cpu,cpu", "--nproc-per-node", "2", "--epochs", "1")
     assert code == 2 and "Traceback" not in err
@@ -216,6 +311,7 @@ def _parallel_suite(rank: int, world: int) -> dict:
             unmatched_batch_warns_once,
             forgot_prepare,
             plain_backward_and_prepare_twice,
+            ddp_options_are_honoured,
         )
     }
 
@@ -277,6 +373,22 @@ def test_a_loss_from_a_model_no_one_prepared_is_refused_on_every_rank(parallel_s
     for found in ranks:
         assert "no model that par.prepare() returned has run forward" in found["forgot_prepare"]["error"]
         assert "under ddp every process would train its own copy" in found["forgot_prepare"]["error"]
+
+
+@pytest.mark.processes
+def test_ddp_options_given_to_parallel_are_honoured(parallel_suite):
+    for found in (r["ddp_options_are_honoured"] for r in parallel_suite[1]):
+        for strategy in ("ddp", "zero1", "zero2"):
+            # a head no forward uses: trained as in one process, its gradient left None, under either option
+            unused, static = found[f"{strategy} find_unused_parameters"], found[f"{strategy} static_graph"]
+            assert unused["set"] == [True, False] and static["set"] == [False, True]
+            for run in (unused, static):
+                assert run["vs_single"] < 1e-6 and run["spare_untouched"], (strategy, run)
+            assert found[f"{strategy} buckets"]["None"] == 1 and found[f"{strategy} buckets"]["0.001"] > 2
+        for strategy in ("ddp", "zero1"):
+            hook = found[f"{strategy} hook"]
+            assert hook["calls"] >= 5 and hook["vs_single"] < 1e-6, (strategy, hook)  # one bucket, five steps
+        assert all(found["ddp grads are bucket views: True"]) and not any(found["ddp grads are bucket views: False"])
 
 
 @pytest.mark.processes

@@ -14,6 +14,7 @@ import importlib as _importlib
 from typing import Any as _Any
 
 from paratrain.ddp.distributed import DistributedDataParallel
+from paratrain.ddp.options import DDPOptions
 from paratrain.dp.data_parallel import DataParallel
 from paratrain.dp.scatter_gather import gather, scatter, split_sizes
 from paratrain.errors import (
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "ConfigError",
+    "DDPOptions",
     "DataError",
     "DataParallel",
     "DeviceError",

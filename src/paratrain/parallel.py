@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from paratrain.ddp.comm_hooks import CommHook
+from paratrain.ddp.options import DDPOptions
 from paratrain.devices import DeviceLike
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import ConfigError
@@ -63,8 +65,8 @@ class Parallel:
     """Run a training loop under a strategy chosen by name (or given as an object).
 
     Args:
-        strategy: ``auto``, ``single``, ``dp`` (or ``ddp`` under torchrun), or a :class:`Strategy` instance
-            (which brings its own devices and timeout).
+        strategy: ``auto``, ``single``, ``dp`` (or, under torchrun, ``ddp``, ``zero1``, ``zero2``, ``zero3``), or a
+            :class:`Strategy` instance (which brings its own devices, timeout and DDP options).
         devices: ``auto`` (every GPU, or the CPU), a string such as ``cpu,cpu,cpu`` or ``cuda:0,cuda:1``, or a
             list of devices.
         seed: when given, seeds every generator the same way in every process.
@@ -74,10 +76,19 @@ class Parallel:
         precision: ``32`` (default), ``bf16-mixed`` or ``16-mixed``: forward passes of prepared models run under
             ``torch.autocast`` for the device's type and return float32 outputs; ``16-mixed`` adds a gradient
             scaler (see :mod:`paratrain.loop.precision`), so optimizers must step through :meth:`step`.
+        find_unused_parameters, static_graph, bucket_cap_mb, gradient_as_bucket_view, comm_hook, comm_state:
+            DDP's options, as for :class:`~paratrain.DistributedDataParallel` (``comm_hook`` is registered with
+            ``comm_state`` on every prepared model), gathered in a :class:`~paratrain.DDPOptions`. ``ddp``
+            honours them all; ``zero1``, ``zero2`` and ``zero3`` honour some and refuse the others by name (the
+            table in docs/ddp.md); ``single`` and ``dp`` refuse any of them; ``auto`` passes them on when it
+            picks ``ddp`` and leaves them unused otherwise, so one script runs alone and under a launcher::
+
+                par = Parallel("ddp", find_unused_parameters=True, bucket_cap_mb=50)
 
     Raises:
         ConfigError: an unknown strategy or precision, devices it cannot use (or a mixed precision they cannot
-            run), or ``devices``/``timeout`` given with a :class:`Strategy` instance (it has its own).
+            run), ``devices``/``timeout``/a DDP option given with a :class:`Strategy` instance (it has its own),
+            or a DDP option the strategy refuses (before any process group is set up).
     """
 
     def __init__(
@@ -89,7 +100,21 @@ class Parallel:
         timeout: float | None = None,
         precision: str = "32",
         hang_report: str | None = None,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = True,
+        comm_hook: CommHook | None = None,
+        comm_state: Any = None,
     ) -> None:
+        options = DDPOptions(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+        )
         if isinstance(strategy, Strategy):
             given = [
                 f"{name}={value!r}"
@@ -99,15 +124,18 @@ class Parallel:
                     ("hang_report", hang_report, None),
                 )
                 if value != default
-            ]
+            ] + [options.shown(name) for name in options.given()]
             if given:
                 raise ConfigError(
-                    f"Parallel got a {type(strategy).__name__} object, which brings its own devices and timeout, "
-                    f"and also {', '.join(given)}; pass them to the strategy's constructor instead"
+                    f"Parallel got a {type(strategy).__name__} object, which brings its own devices, timeout and "
+                    f"DDP options, and also {', '.join(given)}; pass them to the strategy's constructor instead "
+                    f"(DDP's options as options=paratrain.DDPOptions(...))"
                 )
             self.strategy = strategy
         else:
-            self.strategy = select_strategy(strategy, devices, timeout=timeout, hang_report=hang_report)
+            self.strategy = select_strategy(
+                strategy, devices, timeout=timeout, hang_report=hang_report, options=options
+            )
         self.strategy.setup()
         try:
             self.precision: Precision = select_precision(precision, self.strategy.device)

@@ -52,8 +52,9 @@ class ZeroDataParallel(DistributedDataParallel):
     Args:
         module: the model, on this process's device.
         stage: 1 (optimizer state sharded, gradients all-reduced) or 2 (gradients reduce-scattered as well).
-        device_ids, process_group, bucket_cap_mb, timeout, hang_report: as for
-            :class:`~paratrain.ddp.distributed.DistributedDataParallel`.
+        device_ids, process_group, bucket_cap_mb, find_unused_parameters, static_graph, timeout, hang_report: as
+            for :class:`~paratrain.ddp.distributed.DistributedDataParallel` (its reducer finds the unused
+            parameters and learns a static graph alike for both stages).
 
     Raises:
         ConfigError: a stage other than 1 or 2.
@@ -67,6 +68,8 @@ class ZeroDataParallel(DistributedDataParallel):
         process_group: Any = None,
         bucket_cap_mb: float | None = None,
         *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
         timeout: float | timedelta | None = DEFAULT_TIMEOUT_S,
         hang_report: str | None = None,
     ) -> None:
@@ -77,7 +80,9 @@ class ZeroDataParallel(DistributedDataParallel):
             device_ids=device_ids,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=stage == 1,  # zero1: the buckets are the gradients, no second copy
+            static_graph=static_graph,
             timeout=timeout,
             hang_report=hang_report,
             _collective=ReduceScatter if stage == 2 else None,  # None: ddp's all-reduce
@@ -231,9 +236,14 @@ class ZeroDataParallel(DistributedDataParallel):
         )
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """zero1: as DDP's (the hook replaces the all-reduce of each gradient bucket; the weights' all-gathers
+        stay). zero2 refuses: its gradients are reduce-scattered, and a hook stands in for an all-reduce."""
+        if self.stage == 1:
+            super().register_comm_hook(state, hook)
+            return
         raise ConfigError(
-            f"communication hooks are not supported under zero{self.stage}: its collectives are reduce-scatters "
-            f"and all-gathers of the shards; use strategy ddp for a hook"
+            f"communication hooks are not supported under zero{self.stage}: its gradients are reduce-scattered, "
+            f"and a hook replaces an all-reduce; use strategy ddp or zero1 for a hook"
         )
 
     def __getstate__(self) -> dict[str, Any]:

@@ -16,6 +16,12 @@ strategy = select_strategy("single", "cuda:1")
 ``zero1``, ``zero2`` (sharded data parallel, :mod:`paratrain.strategies.zero`) and ``zero3`` (fully sharded,
 :mod:`paratrain.strategies.fully_sharded`) run like ``ddp``, one process per device under a launcher, and are
 chosen by name only.
+
+DDP's options (:class:`~paratrain.ddp.options.DDPOptions`: ``find_unused_parameters``, ``static_graph``,
+``bucket_cap_mb``, ``gradient_as_bucket_view``, a communication hook) go to the process strategies, which honour
+each or refuse it by name. ``single`` and ``dp`` refuse any option set (they have no gradients to send across
+processes); ``auto`` passes them on when it picks ``ddp`` and leaves them unused when it picks ``single`` or
+``dp``, as it does ``timeout``, so one script runs alone and under a launcher.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from paratrain.ddp.options import DDPOptions, Refusal
 from paratrain.devices import DeviceLike, parse_device_list, parse_devices_arg, visible_gpus
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import ConfigError
@@ -37,6 +44,7 @@ from paratrain.strategies.zero import Zero1Strategy, Zero2Strategy, ZeroStrategy
 __all__ = [
     "PROCESS_STRATEGIES",
     "STRATEGY_NAMES",
+    "DDPOptions",
     "DataParallelStrategy",
     "DistributedStrategy",
     "ReduceOp",
@@ -47,6 +55,8 @@ __all__ = [
     "Zero3Strategy",
     "ZeroStrategy",
     "check_ddp_devices",
+    "honouring",
+    "refusal_of",
     "resolve_devices",
     "resolve_strategy",
     "select_strategy",
@@ -120,6 +130,28 @@ def check_ddp_devices(devices: Devices, flag: str = "devices", strategy_name: st
     return device_type
 
 
+def refusal_of(strategy: str, option: str) -> Refusal | None:
+    """Why process strategy ``strategy`` refuses the DDP option ``option``, or None where it honours it."""
+    return _BY_NAME[strategy].refused_options.get(option)
+
+
+def honouring(option: str) -> list[str]:
+    """The process strategies that honour the DDP option ``option``, in :data:`PROCESS_STRATEGIES` order."""
+    return [name for name in PROCESS_STRATEGIES if refusal_of(name, option) is None]
+
+
+def _refuse_in_one_process(strategy: str, options: DDPOptions) -> None:
+    """DDP's options set for ``single`` or ``dp``, which would ignore them: refused, naming the fix."""
+    given = options.given()
+    if given:
+        shown = ", ".join(options.shown(n) for n in given)
+        raise ConfigError(
+            f"DDP options apply to ddp and zero1, zero2, zero3 (how gradients cross processes); found strategy "
+            f"{strategy!r} with {shown}, which runs in one process and would ignore them: drop "
+            f"{', '.join(given)}, or run strategy 'ddp' under `paratrain launch`"
+        )
+
+
 def select_strategy(
     name: str = "auto",
     devices: Devices = "auto",
@@ -127,17 +159,20 @@ def select_strategy(
     timeout: float | None = None,
     environment: ClusterEnvironment | None = None,
     hang_report: str | None = None,
+    options: DDPOptions | None = None,
 ) -> Strategy:
     """The strategy called ``name`` on ``devices`` (``auto``: see :func:`resolve_strategy`).
 
     ``ddp`` takes ``devices`` ``auto`` (this process's GPU, or the CPU), ``cpu`` or ``cuda``. ``timeout`` (seconds
-    a collective may wait for the other ranks) applies to ``ddp``; with ``auto`` it applies if ``auto`` picks
-    ``ddp``, and naming ``single`` or ``dp`` with a timeout is an error. ``environment`` is where a launcher put
-    this process (default: read from the launcher's variables); ``hang_report`` where ddp's report of a hang goes.
+    a collective may wait for the other ranks) and ``options`` (DDP's) apply to ``ddp`` and the ``zero``
+    strategies; with ``auto`` they apply if ``auto`` picks ``ddp``, and naming ``single`` or ``dp`` with either is
+    an error. ``environment`` is where a launcher put this process (default: read from the launcher's
+    variables); ``hang_report`` where ddp's report of a hang goes.
 
     Raises:
-        ConfigError: an unknown name, devices the strategy cannot use, a ``timeout`` for a strategy without
-            collectives, or ``auto`` choosing ``ddp`` in a process that no launcher started.
+        ConfigError: an unknown name, devices the strategy cannot use, a ``timeout`` or DDP option for a strategy
+            without collectives, an option the strategy refuses, or ``auto`` choosing ``ddp`` in a process that no
+            launcher started.
     """
     env = environment if environment is not None else ClusterEnvironment.detect()
     resolved = resolve_strategy(name, devices, env)
@@ -153,8 +188,11 @@ def select_strategy(
             device_type,
             environment=env,
             hang_report=hang_report,
+            options=options,
             **({} if timeout is None else {"timeout": timeout}),
         )
+    if options is not None and name != "auto":
+        _refuse_in_one_process(resolved, options)
     if timeout is not None and name != "auto":
         raise ConfigError(
             f"timeout is for strategy 'ddp' (and zero1, zero2, zero3: how long a collective waits for the other "

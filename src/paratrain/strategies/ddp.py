@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torch import nn
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from paratrain.comm.process_groups import group_sequence
 from paratrain.ddp.distributed import DistributedDataParallel
+from paratrain.ddp.options import DDPOptions, Refusal, refuse_options
 from paratrain.diagnostics.flight_recorder import small_buffer_unless_set
 from paratrain.dp.scatter_gather import shard
 from paratrain.environment import ClusterEnvironment
@@ -57,9 +58,17 @@ class DistributedStrategy(Strategy):
         environment: where this process sits in the job; default: what the launcher set
             (:meth:`~paratrain.environment.ClusterEnvironment.detect`).
         hang_report: where the report of every rank goes when a collective times out (see docs/hangs.md).
+        options: how each model's wrapper is built (:class:`~paratrain.ddp.options.DDPOptions`; default: its
+            defaults). ddp honours every option; a sharded strategy refuses, by name, those it cannot honour.
+
+    Raises:
+        ConfigError: a device type other than ``auto``, ``cpu`` or ``cuda``, or an option this strategy refuses
+            (before any process-group work).
     """
 
     name = "ddp"
+    # the options this strategy cannot honour, and why: refused when it is built (ddp honours them all)
+    refused_options: ClassVar[dict[str, Refusal]] = {}
 
     def __init__(
         self,
@@ -68,10 +77,13 @@ class DistributedStrategy(Strategy):
         timeout: float = DEFAULT_TIMEOUT_S,
         environment: ClusterEnvironment | None = None,
         hang_report: str | None = None,
+        options: DDPOptions | None = None,
     ) -> None:
         super().__init__()
         if device_type not in DDP_DEVICES:
             raise ConfigError(f"ddp runs on 'cpu' or 'cuda' (one GPU per process); found {device_type!r}")
+        self.options = options if options is not None else DDPOptions()
+        refuse_options(self.name, self.options, self.refused_options)
         self._device_type = device_type
         self._timeout = timeout
         self._hang_report = hang_report
@@ -168,16 +180,22 @@ class DistributedStrategy(Strategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self._device)
         device_ids = [self._device] if self._device.type == "cuda" else None
-        # the buckets are the gradients (torch's gradient_as_bucket_view): one copy of them, not two, as the
-        # sharded strategies keep them too (docs/sharding.md's memory table)
+        options = self.options
+        # by default the buckets are the gradients (torch's gradient_as_bucket_view): one copy of them, not two,
+        # as the sharded strategies keep them too (docs/sharding.md's memory table)
         wrapped = DistributedDataParallel(
             model,
             device_ids=device_ids,
-            gradient_as_bucket_view=True,
+            bucket_cap_mb=options.bucket_cap_mb,
+            find_unused_parameters=options.find_unused_parameters,
+            gradient_as_bucket_view=options.gradient_as_bucket_view,
+            static_graph=options.static_graph,
             timeout=self._timeout,
             hang_report=self._hang_report,
         )
         self._ddp.append(wrapped)
+        if options.comm_hook is not None:
+            wrapped.register_comm_hook(options.comm_state, options.comm_hook)
         return wrapped
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torch import nn
 
 from paratrain.checkpoint.sharded import LocalSlices, StoredTensor, materialize
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
+from paratrain.ddp.options import DDPOptions, Refusal
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import CheckpointError
 from paratrain.sharded.fully_sharded import FullyShardedDataParallel
@@ -39,6 +40,8 @@ class Zero3Strategy(ShardedStrategy):
 
     Args:
         device_type, timeout, environment, hang_report: as for :class:`DistributedStrategy`.
+        options: :class:`~paratrain.ddp.options.DDPOptions`; zero3 has no buckets and no bucket reducer, and
+            refuses every option set (:attr:`refused_options` says why, and what to use instead).
         units: module classes and qualified module names that become units (None: every block of a
             ``ModuleList``/``Sequential`` with at least ``min_params`` parameters; the root holds the rest).
         min_params: the default policy's smallest block.
@@ -47,6 +50,29 @@ class Zero3Strategy(ShardedStrategy):
     """
 
     name: ClassVar[str] = "zero3"
+    refused_options: ClassVar[dict[str, Refusal]] = {
+        "find_unused_parameters": Refusal(
+            "zero3 has no search for unused parameters: each unit reduces its gradients when its backward ends "
+            "(parameters of the unit that got none take part with zeros), so every rank must run the same units",
+            "use strategy ddp, zero1 or zero2 for find_unused_parameters, or drop it",
+        ),
+        "static_graph": Refusal(
+            "zero3 has no bucket reducer to learn the graph: each unit reduces when its own backward ends",
+            "drop static_graph (or use strategy ddp, zero1 or zero2)",
+        ),
+        "bucket_cap_mb": Refusal(
+            "zero3 reduces gradients unit by unit (whole modules), not in buckets",
+            "size the units with Zero3Strategy(units=..., min_params=...), or drop bucket_cap_mb",
+        ),
+        "gradient_as_bucket_view": Refusal(
+            "zero3 keeps no whole gradient to view: each unit's is reduce-scattered and this rank keeps its part",
+            "drop gradient_as_bucket_view, or use strategy ddp for whole gradients in .grad",
+        ),
+        "comm_hook": Refusal(
+            "its gradients are reduce-scattered unit by unit, and a hook replaces an all-reduce",
+            "use strategy ddp or zero1 for a hook, or drop the hook",
+        ),
+    }
 
     def __init__(
         self,
@@ -59,8 +85,11 @@ class Zero3Strategy(ShardedStrategy):
         timeout: float = DEFAULT_TIMEOUT_S,
         environment: ClusterEnvironment | None = None,
         hang_report: str | None = None,
+        options: DDPOptions | None = None,
     ) -> None:
-        super().__init__(device_type, timeout=timeout, environment=environment, hang_report=hang_report)
+        super().__init__(
+            device_type, timeout=timeout, environment=environment, hang_report=hang_report, options=options
+        )
         self.units = list(units) if units is not None else None
         self.min_params = min_params
         self.reshard_after_forward = reshard_after_forward

@@ -20,6 +20,7 @@ from torch import nn
 
 from paratrain.checkpoint.sharded import Alias, LocalSlices
 from paratrain.checkpoint.state_dicts import parameter_keys
+from paratrain.ddp.options import Refusal
 from paratrain.sharded.zero import ZeroDataParallel
 from paratrain.strategies.sharded import ShardedStrategy
 
@@ -35,10 +36,20 @@ class ZeroStrategy(ShardedStrategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self._device)
         device_ids = [self._device] if self._device.type == "cuda" else None
+        options = self.options  # what it refuses was refused when the strategy was built
         wrapped = ZeroDataParallel(
-            model, self.stage, device_ids=device_ids, timeout=self._timeout, hang_report=self._hang_report
+            model,
+            self.stage,
+            device_ids=device_ids,
+            bucket_cap_mb=options.bucket_cap_mb,
+            find_unused_parameters=options.find_unused_parameters,
+            static_graph=options.static_graph,
+            timeout=self._timeout,
+            hang_report=self._hang_report,
         )
         self._ddp.append(wrapped)
+        if options.comm_hook is not None:
+            wrapped.register_comm_hook(options.comm_state, options.comm_hook)
         return wrapped
 
     def describe(self) -> str:
@@ -102,14 +113,39 @@ def _holds(value: Any, param: torch.Tensor) -> bool:
 
 
 class Zero1Strategy(ZeroStrategy):
-    """``zero1``: the optimizer state sharded; gradients all-reduced as under ddp."""
+    """``zero1``: the optimizer state sharded; gradients all-reduced as under ddp.
+
+    Of :class:`~paratrain.ddp.options.DDPOptions` it honours all but ``gradient_as_bucket_view=False``.
+    """
 
     name: ClassVar[str] = "zero1"
     stage: ClassVar[int] = 1
+    refused_options: ClassVar[dict[str, Refusal]] = {
+        "gradient_as_bucket_view": Refusal(
+            "zero1's gradients are views of its buckets, which its sharded optimizer reads (a copy in .grad "
+            "would only cost memory)",
+            "drop gradient_as_bucket_view, or use strategy ddp for gradients of their own",
+        ),
+    }
 
 
 class Zero2Strategy(ZeroStrategy):
-    """``zero2``: the optimizer state and the gradients sharded; gradients reduce-scattered during backward."""
+    """``zero2``: the optimizer state and the gradients sharded; gradients reduce-scattered during backward.
+
+    Of :class:`~paratrain.ddp.options.DDPOptions` it honours ``find_unused_parameters``, ``static_graph`` and
+    ``bucket_cap_mb``, and refuses the rest.
+    """
 
     name: ClassVar[str] = "zero2"
     stage: ClassVar[int] = 2
+    refused_options: ClassVar[dict[str, Refusal]] = {
+        "gradient_as_bucket_view": Refusal(
+            "zero2 keeps no whole gradient to view: each bucket is reduce-scattered during backward and this rank "
+            "keeps its part only",
+            "drop gradient_as_bucket_view, or use strategy ddp for whole gradients in .grad",
+        ),
+        "comm_hook": Refusal(
+            "its gradients are reduce-scattered, and a hook replaces an all-reduce",
+            "use strategy ddp or zero1 for a hook, or drop the hook",
+        ),
+    }

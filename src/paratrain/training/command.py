@@ -23,7 +23,14 @@ from paratrain.environment import ClusterEnvironment
 from paratrain.errors import ConfigError, TrainingInterrupted
 from paratrain.launch.launcher import LaunchConfig, launch
 from paratrain.settings import flag_of
-from paratrain.strategies import PROCESS_STRATEGIES, check_ddp_devices, resolve_devices, resolve_strategy
+from paratrain.strategies import (
+    PROCESS_STRATEGIES,
+    check_ddp_devices,
+    honouring,
+    refusal_of,
+    resolve_devices,
+    resolve_strategy,
+)
 from paratrain.training.config import TrainConfig
 from paratrain.training.job import train
 from paratrain.training.preflight import preflight
@@ -49,6 +56,8 @@ def train_command(config: TrainConfig, launcher: LaunchConfig | None = None) -> 
     strategy = resolve_strategy(config.strategy, config.devices, environment)
     if strategy not in PROCESS_STRATEGIES:
         _refuse_ddp_settings(config, launcher, strategy)
+    else:
+        _refuse_ddp_options(config, strategy)  # what the strategy would refuse, before any rank starts
     if strategy == "dp":
         _note_one_replica(config)
     if strategy in PROCESS_STRATEGIES and not environment.launched:
@@ -118,6 +127,27 @@ def _refuse_ddp_settings(config: TrainConfig, launcher: LaunchConfig, strategy: 
             f"{config.strategy!r} resolves to {strategy!r} here, which runs in this one process and has no "
             f"collectives: drop --timeout, or add --strategy ddp"
         )
+    options = config.ddp_options()
+    flags = [flag_of(name) for name in options.given()]
+    if flags:
+        raise ConfigError(
+            f"{', '.join(flags)} {'are' if len(flags) > 1 else 'is'} for strategies ddp, zero1 and zero2 (how "
+            f"gradients cross processes), but strategy {config.strategy!r} resolves to {strategy!r} here, which "
+            f"runs in this one process and would ignore {'them' if len(flags) > 1 else 'it'}: drop "
+            f"{', '.join(flags)}, or add --strategy ddp"
+        )
+
+
+def _refuse_ddp_options(config: TrainConfig, strategy: str) -> None:
+    """A DDP option (``--static-graph``, ...) the process strategy ``strategy`` cannot honour: an error, by flag."""
+    for name in config.ddp_options().given():
+        refusal = refusal_of(strategy, name)
+        if refusal is not None:
+            flag, others = flag_of(name), honouring(name)
+            raise ConfigError(
+                f"{flag} is not supported under strategy {strategy}: {refusal.why}; drop {flag}, or use --strategy "
+                f"{', '.join(others[:-1])} or {others[-1]}"
+            )
 
 
 def _note_one_replica(config: TrainConfig) -> None:

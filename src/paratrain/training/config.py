@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain.ddp.options import DDPOptions
 from paratrain.errors import ConfigError
 from paratrain.files import check_output
-from paratrain.settings import at_least, one_of, optional, setting
+from paratrain.settings import at_least, finite_positive, one_of, optional, setting
 from paratrain.strategies import STRATEGY_NAMES
 from paratrain.training.logs import check_extras
 from paratrain.training.optimizers import LR_SCHEDULES
@@ -59,6 +60,22 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
         choices=STRATEGY_NAMES,
     )
     devices: str = setting("auto", "auto, cpu, cuda, cuda:0,cuda:1, or cpu,cpu,cpu (CPU replicas)")
+    find_unused_parameters: bool = setting(
+        False,
+        "ddp, zero1, zero2: parameters that get no gradient in a step (a branch the model skips) take part with "
+        "zeros, instead of an error",
+    )
+    static_graph: bool = setting(
+        False,
+        "ddp, zero1, zero2: the same parameters take part in every step, each as often (learnt in the first "
+        "step and trusted after: unused parameters without the per-step search)",
+    )
+    bucket_cap_mb: float | None = setting(
+        None,
+        "ddp, zero1, zero2: the largest gradient bucket, in MiB (default 25)",
+        check=optional(finite_positive),
+        metavar="MIB",
+    )
     checkpoint_dir: str | None = setting(None, "save a checkpoint there at the end of every epoch", metavar="DIR")
     checkpoint_every: int = setting(
         0, "also save every N steps (0: only at epoch ends)", check=at_least(0), metavar="N"
@@ -163,6 +180,14 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
             check_extras(tensorboard=self.writes_tensorboard, plot=self.plot, tensorboard_flag=asked)
         if self.resume is not None and self.checkpoint_dir is None and self.resume in RESUME_MODES:
             raise ConfigError("--resume needs --checkpoint-dir (where to look for the latest checkpoint)")
+
+    def ddp_options(self) -> DDPOptions:
+        """What ``--find-unused-parameters``, ``--static-graph`` and ``--bucket-cap-mb`` ask of the strategy."""
+        return DDPOptions(
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            bucket_cap_mb=self.bucket_cap_mb,
+        )
 
     def hang_report_path(self) -> str | None:
         """Where a hang report goes: ``--hang-report``, else beside the run's outputs (the checkpoint directory,

@@ -106,6 +106,9 @@ def train(
             timeout=config.timeout,
             precision=config.precision,
             hang_report=config.hang_report_path(),
+            find_unused_parameters=config.find_unused_parameters,
+            static_graph=config.static_graph,
+            bucket_cap_mb=config.bucket_cap_mb,
         ) as par,
     ):
         return _Run(config, par, log, launcher).run()
