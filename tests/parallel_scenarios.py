@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -277,3 +278,48 @@ def ddp_options_are_honoured(rank: int, world: int) -> dict[str, Any]:
             grads = [p.grad for p in par.unwrap(model).body.parameters()]
             found[f"ddp grads are bucket views: {view}"] = [g.untyped_storage().data_ptr() in buffers for g in grads]
     return found
+
+
+def save_from_one_rank(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """``if par.is_main: par.save(...)``, the line of many scripts: under ddp the main process writes the file and
+    every rank trains on; every rank calling it returns once the file is there; a rank that calls it while rank 0
+    went on, and (zero2) rank 0 saving slices alone, are refused at once (not after the timeout) and train on."""
+    found: dict[str, Any] = {}
+    base = Path(directory) / f"save-from-one-rank-{world}"
+    for strategy in ("ddp", "zero2"):
+        with paratrain.Parallel(strategy, "cpu", timeout=120) as par:
+            torch.manual_seed(0)
+            net = mlp()
+            model, optimizer, loader = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), _batches(3))
+            cases: dict[str, Any] = {}
+            for step, (x, y) in enumerate(loader):
+                par.backward(F.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+                state = {"model": model, "optimizer": optimizer, "step": step}
+                if step == 0:  # the main process alone
+                    cases["main alone"] = _saved(par, state, base / strategy / "main.pt", par.is_main)
+                elif step == 1:  # every rank: returns once the file (or directory) is written
+                    cases["every rank"] = _saved(par, state, base / strategy / "every.pt", True)
+                    written = base / strategy / ("every.pt" if strategy == "ddp" else "every")
+                    cases["there on return"] = written.exists()
+                elif strategy == "ddp":  # the last rank alone: rank 0 writes, and went on
+                    cases["last rank alone"] = _saved(par, state, base / strategy / "last.pt", rank == world - 1)
+            cases["trained on"] = next(par.unwrap(model).parameters()).detach().sum().item()
+            found[strategy] = cases
+    return found
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(6, 6, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(steps)]
+
+
+def _saved(par: paratrain.Parallel, state: dict[str, Any], path: Path, call: bool) -> dict[str, Any]:
+    if not call:
+        return {"called": False}
+    try:
+        written = par.save(state, path)
+    except (paratrain.ConfigError, paratrain.DistributedError) as exc:
+        return {"called": True, "error": f"{type(exc).__name__}: {exc}"}
+    return {"called": True, "written": str(written) if written is not None else None}

@@ -20,6 +20,7 @@ from parallel_scenarios import (
     forgot_prepare,
     gather_pads_and_trims,
     plain_backward_and_prepare_twice,
+    save_from_one_rank,
     train_job,
     unmatched_batch_warns_once,
     user_shuffle_order,
@@ -300,8 +301,8 @@ def test_batch_tensors_that_disagree_on_size_are_named():
 # --- several processes ---------------------------------------------------------------------------------------
 
 
-def _parallel_suite(rank: int, world: int) -> dict:
-    return {
+def _parallel_suite(rank: int, world: int, directory: str) -> dict:
+    found = {
         scenario.__name__: scenario(rank, world)
         for scenario in (
             gather_pads_and_trims,
@@ -314,12 +315,15 @@ def _parallel_suite(rank: int, world: int) -> dict:
             ddp_options_are_honoured,
         )
     }
+    found["save_from_one_rank"] = save_from_one_rank(rank, world, directory)
+    return found
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def parallel_suite(request, tmp_path_factory):
     world = request.param
-    return world, run_ranks(_parallel_suite, world, tmp_path_factory.mktemp(f"parallel{world}"), timeout=240)
+    directory = tmp_path_factory.mktemp(f"parallel{world}")
+    return world, run_ranks(_parallel_suite, world, directory, str(directory), timeout=240)
 
 
 @pytest.mark.processes
@@ -401,6 +405,35 @@ def test_a_step_after_loss_backward_and_prepare_twice_are_refused_on_every_rank(
         for name in ("model", "prepared model", "optimizer", "loader"):
             assert "a second time" in cell[name] and "to prepare() once" in cell[name], (name, cell[name])
     assert len({found["plain_backward_and_prepare_twice"]["weight"] for found in ranks}) == 1
+
+
+@pytest.mark.processes
+def test_saving_from_the_main_process_alone_works_under_ddp_and_is_refused_at_once_under_zero2(parallel_suite):
+    world, ranks = parallel_suite[0], [r["save_from_one_rank"] for r in parallel_suite[1]]
+    weights = {strategy: {r[strategy]["trained on"] for r in ranks} for strategy in ("ddp", "zero2")}
+    assert all(len(w) == 1 for w in weights.values()), weights  # every rank trained on, the same model
+    for rank, found in enumerate(ranks):
+        ddp, zero2 = found["ddp"], found["zero2"]
+        main = rank == 0
+        # ddp: rank 0 wrote alone, nobody waited in a collective; every rank's call returned with the file there
+        if main:
+            assert ddp["main alone"]["written"].endswith("main.pt"), ddp["main alone"]
+        else:
+            assert ddp["main alone"] == {"called": False}
+        assert "error" not in ddp["every rank"] and ddp["there on return"]
+        # the last rank alone: rank 0 writes ddp's file, and went on; refused as soon as rank 0's next collective shows
+        if rank == world - 1:
+            assert ddp["last rank alone"]["error"].startswith("ConfigError: par.save() is written by the main process")
+            assert "call par.save(...) on every rank, or under `if par.is_main:`" in ddp["last rank alone"]["error"]
+        else:
+            assert ddp["last rank alone"] == {"called": False}
+        # zero2: slices need every rank; the main process alone is refused (a ConfigError, not the 120 s timeout)
+        if main:
+            error = zero2["main alone"]["error"]
+            assert error.startswith("ConfigError: par.save() under zero2 writes each process's own slices"), error
+            assert "every rank must call it" in error and "not under `if par.is_main:`" in error
+            assert "but rank 1 launched the group's collective #" in error
+        assert "error" not in zero2["every rank"] and zero2["there on return"]
 
 
 @pytest.mark.parametrize("strategy, devices", [("single", "cpu"), ("dp", "cpu,cpu")])

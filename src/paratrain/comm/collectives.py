@@ -138,6 +138,26 @@ class CollectiveMonitor:
             self._board.post(self._seq)
         return self._seq
 
+    def peers_gone(self) -> dict[int, str]:
+        """Peers (global ranks) that went on past this point of the program, and how: they launched a collective of
+        this monitor's group that this rank has not (seen on the board's ring, a heartbeat old at most), or closed
+        their end of it. Such a peer cannot come to a meeting outside the group's collectives
+        (:mod:`paratrain.comm.meeting`)."""
+        board = self._board
+        if board is None:
+            return {}
+        here = group_sequence(self._group) if self._checks else None
+        gone: dict[int, str] = {}
+        for rank, entry in board.read().items():
+            if entry is None:
+                continue
+            latest = max((number for _, number in entry.get("ring") or []), default=0)
+            if here is not None and latest > here:
+                gone[rank] = f"launched the group's collective #{latest}"
+            elif entry.get("closed"):
+                gone[rank] = "closed its Parallel (or wrapper)"
+        return gone
+
     def status(self, full: bool = False) -> dict[str, Any]:
         """What the board publishes for this monitor: the collective waited in, the last finished, the waiting,
         the latest collectives' numbers (``full``: the longer history a hang report carries, with what each was)."""

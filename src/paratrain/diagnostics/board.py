@@ -67,6 +67,7 @@ class Board:
         self._latest = 0
         self._beat = 0
         self._failed: int | None = None
+        self._closed = False  # close() ran: this rank's wrapper (or strategy) is gone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"paratrain-{namespace}-board", daemon=True)
         self._thread.start()
@@ -87,15 +88,20 @@ class Board:
         self._publish()
 
     def close(self) -> None:
-        """Stop publishing and join the thread; safe to call twice.
+        """Stop publishing and join the thread, then publish once more that this rank closed; safe to call twice.
 
         Before the process group and its store go away, and before the interpreter finalizes: a thread that
         returns from ``store.set`` (which releases the GIL) while the interpreter finalizes is ended by
         ``pthread_exit`` inside pybind11's GIL guard, and that aborts the process.
         """
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+            if not self._thread.is_alive():  # the last entry says so: a peer waiting for this rank stops waiting
+                self._closed = True
+                self._publish()
 
     def key(self, global_rank: int, what: str = "entry") -> str:
         """The store key of ``what`` for ``global_rank`` under this board's namespace."""
@@ -112,6 +118,8 @@ class Board:
         }
         if self._failed is not None:
             entry["failed"] = self._failed
+        if self._closed:
+            entry["closed"] = True
         if self._status is not None:
             entry.update(self._status())
         return entry

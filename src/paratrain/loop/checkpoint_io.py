@@ -12,6 +12,7 @@ loads under any strategy and world size.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.file import load_checkpoint, save_checkpoint
-from paratrain.checkpoint.sharded import has_shards, is_sharded_checkpoint, materialize, open_sharded, save_sharded
+from paratrain.checkpoint.sharded import is_sharded_checkpoint, materialize, open_sharded, save_sharded
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.strategies import Strategy
 from paratrain.tree import map_tensors
@@ -28,10 +29,22 @@ __all__ = ["load_state", "save_state"]
 
 
 def save_state(strategy: Strategy, state: dict[str, Any], path: str | Path) -> Path | None:
-    """Write ``state`` (every process calls it); the path written, in the main process."""
+    """Write ``state``; the path written, in the main process.
+
+    A state the main process writes whole (single, dp, ddp; or no prepared model or optimizer in it) may be saved
+    from the main process alone (``if par.is_main:``); any other process that calls it waits for the main
+    process's word that the file is written. A state of slices (a prepared model or optimizer under zero1, zero2,
+    zero3) needs every process: each writes its own. A process that calls it while another went on without
+    calling it is told so as soon as that one launches its next collective (:mod:`paratrain.comm.meeting`).
+    """
     target = Path(path)
-    converted = {key: _state_of(strategy, value) for key, value in state.items()}
-    if has_shards(converted):
+    for value in state.values():
+        _refuse_a_shard(value)
+    meeting = strategy.meeting
+    if strategy.shards_checkpoints and any(isinstance(v, nn.Module | torch.optim.Optimizer) for v in state.values()):
+        if meeting is not None:  # before any collective: a rank that went on is named, and nothing is half-written
+            meeting.attend("sharded-save", range(strategy.world_size), "par.save()", lambda g: _every_rank(strategy, g))
+        converted = {key: _state_of(strategy, value) for key, value in state.items()}
         name = target.name.removesuffix(".pt")
         directory = save_sharded(
             converted,
@@ -42,9 +55,45 @@ def save_state(strategy: Strategy, state: dict[str, Any], path: str | Path) -> P
             barrier=strategy.barrier,
         )
         return directory if strategy.is_main else None
-    written = save_checkpoint(converted, target.parent, target.name) if strategy.is_main else None
-    strategy.barrier()
-    return written
+    if meeting is None:  # one process (or a group without a store: every rank calls it, and meets at a barrier)
+        converted = {key: _state_of(strategy, value) for key, value in state.items()} if strategy.is_main else {}
+        written = save_checkpoint(converted, target.parent, target.name) if strategy.is_main else None
+        if strategy.world_size > 1:
+            strategy.barrier()
+        return written
+    name = f"save-{hashlib.sha256(str(path).encode()).hexdigest()[:16]}"  # the path as every rank writes it
+    if strategy.is_main:
+        try:
+            converted = {key: _state_of(strategy, value) for key, value in state.items()}
+            written = save_checkpoint(converted, target.parent, target.name)
+        except BaseException as exc:
+            meeting.announce(name, f"{type(exc).__name__}: {exc}")
+            raise
+        meeting.announce(name, _WRITTEN)
+        return written
+    word = meeting.attend(name, [0], "par.save()", _main_went_on, come=False)[0]
+    if word != _WRITTEN:
+        raise CheckpointError(f"rank 0 could not write {target}: {word}")
+    return None
+
+
+_WRITTEN = "written"
+
+
+def _every_rank(strategy: Strategy, gone: dict[int, str]) -> str:
+    ranks = "; ".join(f"rank {rank} {how}" for rank, how in sorted(gone.items()))
+    return (
+        f"par.save() under {strategy.name} writes each process's own slices of the prepared models and optimizers, "
+        f"so every rank must call it at the same point, but {ranks} instead. Call par.save(...) on every rank, not "
+        f"under `if par.is_main:` (for one plain file, run `paratrain checkpoint consolidate` on what it writes)"
+    )
+
+
+def _main_went_on(gone: dict[int, str]) -> str:
+    return (
+        f"par.save() is written by the main process (rank 0), which went on without calling it (it "
+        f"{gone.get(0, next(iter(gone.values())))}); call par.save(...) on every rank, or under `if par.is_main:`"
+    )
 
 
 def _state_of(strategy: Strategy, value: Any) -> Any:
@@ -52,13 +101,16 @@ def _state_of(strategy: Strategy, value: Any) -> Any:
         return strategy.model_state(value)
     if isinstance(value, torch.optim.Optimizer):
         return strategy.optimizer_state(value)
+    return value
+
+
+def _refuse_a_shard(value: Any) -> None:
     if isinstance(value, dict) and "paratrain_shard" in value:
         raise ConfigError(
             "the state to save holds one process's shard of an optimizer's state (its state_dict() under a sharded "
             "strategy); pass the optimizer itself, par.save({'optimizer': optimizer, ...}, path), so that every "
             "process writes its own shard"
         )
-    return value
 
 
 def load_state(strategy: Strategy, path: str | Path, into: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.sharded import materialize
+from paratrain.comm.meeting import Meeting
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import ConfigError
 
@@ -29,6 +30,7 @@ class Strategy(ABC):
     """How a training loop runs: one device, several in one process, or several processes."""
 
     name: ClassVar[str]
+    shards_checkpoints: ClassVar[bool] = False  # a prepared model's or optimizer's state is each process's slices
 
     def __init__(self) -> None:
         # what wrap_model returned -> the user's model it wraps (the same object when nothing is put around it)
@@ -59,6 +61,11 @@ class Strategy(ABC):
     def is_main(self) -> bool:
         """True in the one process that prints, shows progress and writes files."""
         return self.rank == 0
+
+    @property
+    def meeting(self) -> Meeting | None:
+        """Where this strategy's processes wait for each other outside collectives (None in one process)."""
+        return None
 
     def setup(self) -> None:
         """Prepare the process (process groups, device selection); called once before anything else."""

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
-from paratrain.comm.process_groups import group_sequence
+from paratrain.comm.meeting import Meeting
+from paratrain.comm.process_groups import default_store, group_sequence
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.ddp.options import DDPOptions, Refusal, refuse_options
 from paratrain.diagnostics.flight_recorder import small_buffer_unless_set
@@ -35,17 +36,27 @@ DDP_DEVICES = ("auto", "cpu", "cuda")  # each process uses one device: its local
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def _init_process_group(env: ClusterEnvironment, backend: str, timeout: timedelta) -> None:
-    """``init_process_group`` from the launcher's environment; after a restart, under a prefix of its own.
+_INITS = [0]  # process groups this process initialised so far
 
-    The launcher's store outlives the workers, and the dead workers' keys (gloo's addresses) are still in it: a
-    restarted worker reading them fails to connect or waits forever. Keys under a prefix per attempt are fresh.
+
+def _init_process_group(env: ClusterEnvironment, backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` from the launcher's environment; after a restart, or for a second group in this
+    process, under a prefix of its own.
+
+    The launcher's store outlives the workers' groups, and an earlier group's keys (gloo's addresses) are still in
+    it: a restarted worker, or a worker whose first ``Parallel`` destroyed its group, reading them connects to a
+    listener that is gone, or waits forever (torch numbers its default groups from 0 again after
+    ``destroy_process_group``). Keys under a prefix per attempt and per group are fresh.
     """
-    if not env.restart_count or not env.agent_store or env.master_addr is None or env.master_port is None:
+    count = _INITS[0]
+    _INITS[0] += 1
+    fresh = env.restart_count or count
+    if not fresh or not env.agent_store or env.master_addr is None or env.master_port is None:
         dist.init_process_group(backend, timeout=timeout)
         return
     client = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
-    store = dist.PrefixStore(f"paratrain/attempt-{env.restart_count}", client)  # type: ignore[attr-defined]
+    prefix = f"paratrain/attempt-{env.restart_count}" + (f"/group-{count}" if count else "")
+    store = dist.PrefixStore(prefix, client)  # type: ignore[attr-defined]
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
@@ -92,6 +103,7 @@ class DistributedStrategy(Strategy):
         self._owns_group = False
         self._ddp: list[DistributedDataParallel] = []
         self._monitor: CollectiveMonitor | None = None
+        self._meeting: Meeting | None = None
 
     def setup(self) -> None:
         if not dist.is_initialized():
@@ -118,22 +130,39 @@ class DistributedStrategy(Strategy):
         elif dist.get_backend() == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
         group = dist.group.WORLD
-        self._monitor = CollectiveMonitor(
-            group, self._timeout, namespace=f"strategy-{group_sequence(group)}", report_path=self._hang_report
-        )
+        namespace = f"strategy-{group_sequence(group)}"
+        self._monitor = CollectiveMonitor(group, self._timeout, namespace=namespace, report_path=self._hang_report)
+        store = default_store()
+        if store is not None:
+            self._meeting = Meeting(
+                store, f"paratrain/{namespace}/meet", dist.get_rank(), self._timeout, self._peers_gone
+            )
         # its thread stops when the strategy is collected (a Parallel never closed), or at interpreter exit
         self._finalizer = weakref.finalize(self, self._monitor.close)
 
     @property
+    def meeting(self) -> Meeting | None:
+        return self._meeting
+
+    def monitors(self) -> list[CollectiveMonitor]:
+        """Every monitor numbering this strategy's collectives: its own, and each wrapper's."""
+        return [w.monitor for w in self._ddp] + ([self._monitor] if self._monitor is not None else [])
+
+    def _peers_gone(self) -> dict[int, str]:
+        gone: dict[int, str] = {}
+        for monitor in self.monitors():
+            for rank, how in monitor.peers_gone().items():
+                gone.setdefault(rank, how)
+        return gone
+
+    @property
     def failure(self) -> str | None:
         """Why a collective of this strategy (or of a model it wrapped) timed out or failed, if one did."""
-        monitors = [w.monitor for w in self._ddp] + ([self._monitor] if self._monitor is not None else [])
-        return next((m.failure for m in monitors if m.failure is not None), None)
+        return next((m.failure for m in self.monitors() if m.failure is not None), None)
 
     @property
     def collective_wait_seconds(self) -> float:
-        monitors = [w.monitor for w in self._ddp] + ([self._monitor] if self._monitor is not None else [])
-        return sum(m.waited for m in monitors)
+        return sum(m.waited for m in self.monitors())
 
     def teardown(self, clean: bool = True) -> None:
         failure = self.failure

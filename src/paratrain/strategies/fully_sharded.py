@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.sharded import LocalSlices, StoredTensor, materialize
-from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
+from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from paratrain.ddp.options import DDPOptions, Refusal
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import CheckpointError
@@ -118,14 +118,8 @@ class Zero3Strategy(ShardedStrategy):
 
     # -- what the ddp strategy finds among its DDP wrappers ----------------------------------------------------
 
-    @property
-    def failure(self) -> str | None:
-        mine = next((w.monitor.failure for w in self._sharded if w.monitor.failure is not None), None)
-        return mine if mine is not None else super().failure
-
-    @property
-    def collective_wait_seconds(self) -> float:
-        return super().collective_wait_seconds + sum(w.monitor.waited for w in self._sharded)
+    def monitors(self) -> list[CollectiveMonitor]:
+        return [w.monitor for w in self._sharded] + super().monitors()
 
     def teardown(self, clean: bool = True) -> None:
         failure = self.failure  # read before the wrappers go: the ddp teardown then leaves a failed group alone

@@ -30,6 +30,8 @@ __all__ = ["ShardedStrategy"]
 class ShardedStrategy(DistributedStrategy):
     """One process per device; each model's training state split across them (see the module docstring)."""
 
+    shards_checkpoints = True
+
     def wrappers(self) -> list[Any]:
         """The wrappers this strategy put around models, in the order it made them."""
         raise NotImplementedError

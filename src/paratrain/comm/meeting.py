@@ -1,0 +1,123 @@
+"""Meeting points in the store: ranks wait for each other outside any collective, and a rank that went on is seen.
+
+A barrier that one rank never calls blocks the others until the timeout (300 s by default), and says only that
+a rank did not arrive. A meeting is kept in the process group's store instead: each rank that comes sets its key,
+and while it waits for the others it reads the progress board (:mod:`paratrain.diagnostics.board`). A rank that
+launched a collective this one has not (its next training step's gradient reduction, say) waits in it for this
+rank, and a rank that closed its end of the group has left: neither will come, so the wait ends at once (within a
+heartbeat or two) with an error naming them, and what they should have called. A rank that went on otherwise (a
+collective of its own, outside paratrain's) is found by the timeout.
+
+    meeting = Meeting(store, "paratrain/strategy-0/meet", rank, timeout, gone=monitor.peers_gone)
+    meeting.attend("sharded-save", range(n), "par.save()", refuse=lambda gone: f"... {gone} went on ...")
+    meeting.announce("save-ab12", "written")                # rank 0 wrote the file; the others wait for its word:
+    meeting.attend("save-ab12", [0], "par.save()", refuse=..., come=False)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from paratrain.errors import CollectiveError, ConfigError
+
+__all__ = ["Meeting"]
+
+POLL_S = 0.05  # how often the store is asked whether the others came
+GONE_EVERY_S = 0.5  # how often the board is read for ranks that went on
+
+
+class Meeting:
+    """Named points every rank of a group can wait at, kept under ``prefix`` in the group's ``store``.
+
+    Args:
+        store: the process group's key-value store (``set``/``get``/``check``).
+        prefix: the same on every rank, unique to the group (the strategy's namespace).
+        rank: this process's global rank.
+        timeout: seconds a wait may last when no rank is seen going on (a rank that died, or stopped).
+        gone: the global ranks that went on past this point, and how
+            (:meth:`paratrain.comm.collectives.CollectiveMonitor.peers_gone`, over every monitor).
+    """
+
+    def __init__(
+        self, store: object, prefix: str, rank: int, timeout: float, gone: Callable[[], dict[int, str]]
+    ) -> None:
+        self._store = store
+        self._prefix = prefix
+        self.rank = rank
+        self.timeout = timeout
+        self._gone = gone
+        self._counts: dict[str, int] = {}
+
+    def attend(
+        self, name: str, ranks: Iterable[int], what: str, refuse: Callable[[dict[int, str]], str], *, come: bool = True
+    ) -> dict[int, str]:
+        """Come to the next meeting called ``name`` (``come=False``: only wait there) and wait for ``ranks``; what
+        each posted there. A meeting refused or timed out is withdrawn: this rank's next one of that name is the
+        same meeting again, so a loop that goes on after the error meets its peers at the next call.
+
+        Raises:
+            ConfigError, CollectiveError: as :meth:`wait_for`.
+        """
+        point = self._next(name)
+        if come:
+            self.post(point)
+        try:
+            return self.wait_for(point, ranks, what, refuse)
+        except BaseException:
+            self._counts[name] -= 1
+            if come:
+                self._store.delete_key(self._key(point, self.rank))  # type: ignore[attr-defined]
+            raise
+
+    def announce(self, name: str, value: str) -> None:
+        """Tell the ranks waiting at the next meeting called ``name`` (``attend(..., come=False)``) ``value``."""
+        self.post(self._next(name), value)
+
+    def _next(self, name: str) -> str:
+        """``name`` with this rank's count of it: the n-th meeting of that name is the n-th on every rank."""
+        self._counts[name] = self._counts.get(name, 0) + 1
+        return f"{name}-{self._counts[name]}"
+
+    def _key(self, point: str, rank: int) -> str:
+        return f"{self._prefix}/{point}/{rank}"
+
+    def post(self, point: str, value: str = "here") -> None:
+        """This rank reached ``point`` (``value``: what it has to tell the others there)."""
+        self._store.set(self._key(point, self.rank), value)  # type: ignore[attr-defined]
+
+    def wait_for(
+        self, point: str, ranks: Iterable[int], what: str, refuse: Callable[[dict[int, str]], str]
+    ) -> dict[int, str]:
+        """Wait until every one of ``ranks`` posted ``point``; what each posted. ``what``: the call, for errors.
+
+        Raises:
+            ConfigError: a rank still missing went on past the point (``refuse`` makes the message from the
+                ranks that did, and how).
+            CollectiveError: a rank still missing neither came nor went on within the timeout.
+        """
+        missing = [r for r in ranks if r != self.rank]
+        posted: dict[int, str] = {}
+        started = time.monotonic()
+        looked = started
+        while missing:
+            for r in list(missing):
+                key = self._key(point, r)
+                if self._store.check([key]):  # type: ignore[attr-defined]
+                    posted[r] = self._store.get(key).decode()  # type: ignore[attr-defined]
+                    missing.remove(r)
+            if not missing:
+                break
+            now = time.monotonic()
+            if now - looked >= GONE_EVERY_S:
+                looked = now
+                gone = {r: how for r, how in self._gone().items() if r in missing}
+                if gone:
+                    raise ConfigError(refuse(gone))
+            if now - started > self.timeout:
+                raise CollectiveError(
+                    f"rank {self.rank} waited {self.timeout:g} s for rank(s) {', '.join(map(str, missing))} at "
+                    f"{what}, which neither came nor launched a collective since (stopped, or dead?)"
+                )
+            time.sleep(POLL_S)
+        return posted
