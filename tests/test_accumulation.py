@@ -66,6 +66,7 @@ def ddp_runs(tmp_path_factory):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_ddp_accumulation_equals_one_device(ddp_runs):
     expected = plain(clip=0.5)
     for found in ddp_runs:

@@ -56,6 +56,7 @@ def test_an_unwritable_metrics_path_is_refused_before_training_not_after(tmp_pat
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_a_run_that_diverges_stops_with_an_error_instead_of_exiting_0():
     result = run_cli("train", "--epochs", "1", "--quiet", "--lr", "1e30")
     assert result.returncode == 1 and "the training loss became" in result.stderr and "diverged" in result.stderr
@@ -145,6 +146,7 @@ def _is_loopback(hex_address: str) -> bool:
 
 @pytest.mark.processes
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux's /proc to list listening sockets")
+@pytest.mark.slow
 def test_a_one_machine_job_listens_on_loopback_only():
     """torchrun's stores listen on every interface by default; a one-machine job through paratrain does not."""
     proc = start_cli("train", "--strategy", "ddp", "--nproc-per-node", "2", "--dataset", "digits60k", "--quiet")
@@ -206,6 +208,7 @@ def _unsearchable_above(path: Path) -> str:
         ("--data-dir", "", ("--dataset", "mnist")),
     ],
 )
+@pytest.mark.slow
 def test_a_path_this_user_cannot_search_is_a_usage_error_before_training(unsearchable, flag, relative, extra):
     locked, as_nobody = unsearchable
     path = str(locked / relative) if relative else str(locked)

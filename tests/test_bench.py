@@ -15,6 +15,9 @@ from paratrain.tools.bench import PHASES, BenchReport, ConfigTiming, plotting_av
 from paratrain.training.threads import available_cores
 from processes import run_cli
 
+pytestmark = pytest.mark.slow  # `make slow` (and CI) runs these; `make test` leaves them
+
+
 GPU_DP = "dp:cuda:0,cuda:1"
 
 

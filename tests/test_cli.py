@@ -154,7 +154,7 @@ def test_a_closed_pipe_ends_the_command_quietly(args, lines):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("merged", [False, True], ids=["| head", "2>&1 | head"])
+@pytest.mark.parametrize("merged", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["| head", "2>&1 | head"])
 def test_a_closed_pipe_ends_a_ddp_run_quietly_as_one_process(merged, tmp_path):
     """`paratrain train --strategy ddp ... | head -3`: rank 0's reader goes away; the job ends as one process
     would, with 141 and no line per rank (nor, with 2>&1, an exit code from failing to write those lines)."""
@@ -175,6 +175,7 @@ def test_a_closed_pipe_ends_a_ddp_run_quietly_as_one_process(merged, tmp_path):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_metrics_to_dev_stdout_go_through_a_pipe_as_json():
     result = _run("train", "--epochs", "1", "--max-steps", "2", "--metrics-out", "/dev/stdout")
     assert result.returncode == 0, result.stderr

@@ -50,7 +50,7 @@ def _suite(rank: int, world: int) -> dict:
     return found
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["world2", "world3"])
 def suite(request, tmp_path_factory):
     world = request.param
     return world, run_ranks(_suite, world, tmp_path_factory.mktemp(f"ddp{world}"), timeout=240)
@@ -149,6 +149,7 @@ def test_parallel_with_global_batches_smaller_than_the_world(suite):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_a_rank_that_skips_a_collective_is_named(tmp_path):
     results = run_ranks(skipped_collective, 3, tmp_path, timeout=60)
     assert results[2] == "skipped"
@@ -163,6 +164,7 @@ def test_without_a_process_group_the_error_says_how_to_start():
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_a_rank_whose_peer_exited_names_it(tmp_path):
     results = run_ranks(peer_exits, 3, tmp_path, timeout=90, exits=2)
     for message in results[:2]:
@@ -170,6 +172,7 @@ def test_a_rank_whose_peer_exited_names_it(tmp_path):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_the_watchdog_names_the_missing_rank_and_ends_the_process(tmp_path, capfd):
     """The GPU way of waiting, forced on gloo: nothing raises in the training thread, the watchdog ends the hang."""
     results = run_ranks(watchdog_ends_a_hang, 2, tmp_path, timeout=90, exits=0)
@@ -208,6 +211,7 @@ def _launch_shape_error(api: str, preload: Path | None, workdir: Path) -> tuple[
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_ranks_that_catch_the_start_up_error_exit_with_the_users_code_every_time(tmp_path):
     """Issue 24: each rank catches the DistributedError naming the shapes and exits 7; a rank used to die at exit
     with SIGABRT ("terminate called without an active exception") when gloo's worker thread dropped the last

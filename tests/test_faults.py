@@ -83,6 +83,7 @@ def test_a_write_error_is_a_clear_error_and_leaves_no_half_file(tmp_path):
 # --- a stalled rank: named, then the whole job ends ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_named_and_the_job_ends_soon_after_the_timeout(tmp_path):
     """SIGSTOP rank 1 mid-run: rank 0 names it within the timeout, exits, and torchrun ends the job."""
     timeout = 5
@@ -164,6 +165,7 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_latest_checkpoint(tmp
     assert 0 < resumed["recovery_seconds"] < 60
 
 
+@pytest.mark.slow
 def test_a_restart_after_the_last_step_trains_no_further(tmp_path):
     """A worker killed while the run was ending (after its last checkpoint, before progress.json says finished):
     the restarted attempt resumes at --max-steps and stops there, with the model of the run that ended."""
@@ -184,6 +186,7 @@ def test_a_restart_after_the_last_step_trains_no_further(tmp_path):
     assert after["restarts"] == 1 and after["recoveries"][0]["resumed_at_step"] == 30
 
 
+@pytest.mark.slow
 def test_restarts_without_checkpoints_are_refused():
     result = run_cli("train", "--strategy", "ddp", "--nproc-per-node", "2", "--max-restarts", "1")
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -291,6 +294,7 @@ def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
 
 
 @pytest.mark.parametrize("meet", ["static", "c10d"])
+@pytest.mark.slow
 def test_an_endpoint_no_one_answers_fails_within_the_rendezvous_timeout_naming_it(meet):
     """Node 1 of 2 waits for a node 0 that never starts (static), or for a second node that never joins (c10d)."""
     port = free_port()
@@ -335,6 +339,7 @@ def _stopped_at(out: str) -> tuple[int, Path]:
     return step, Path(line.split(" and saved ")[1].split(";")[0])
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_resume_ends_as_the_uninterrupted_run(tmp_path):
     args = ("train", "--epochs", "3", "--log-every", "1", "--checkpoint-dir", str(tmp_path))
     proc = start_cli(*args)

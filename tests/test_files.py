@@ -117,6 +117,7 @@ def test_temporaries_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_metrics_out_to_a_device_or_a_link_keeps_it_what_it_was(tmp_path):
     """The reported case: --metrics-out at a device turned it into a regular file. A link must stay a link."""
     real = tmp_path / "results" / "m.json"

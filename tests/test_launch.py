@@ -253,6 +253,7 @@ def test_a_failing_worker_is_one_line_with_its_error_and_the_job_exits_with_its_
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_a_master_port_another_program_holds_is_one_usage_line(tmp_path: Path) -> None:
     """A second job on the first one's --master-port: one line naming the port and what to pass, exit 2."""
     script = tmp_path / "tiny.py"
@@ -285,6 +286,7 @@ def test_max_restarts_recovers_from_a_failed_first_attempt(tmp_path: Path, capfd
 
 @pytest.mark.processes
 @pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+@pytest.mark.slow
 def test_two_node_agents_on_one_machine(tmp_path: Path, rendezvous: str) -> None:
     """Two `paratrain launch` processes, one per node, meet over loopback and form one world of two."""
     port = free_port()
@@ -358,6 +360,7 @@ time.sleep(300)
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_every_process_of_the_job_at_once(tmp_path: Path) -> None:
     script = tmp_path / "stubborn.py"
     script.write_text(STUBBORN)

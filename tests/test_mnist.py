@@ -229,6 +229,7 @@ def test_plain_files_on_disk_must_have_mnists_label_counts_and_brightness(tmp_pa
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_the_train_command_says_how_to_use_another_copy(tmp_path):
     write(tmp_path, fake_mnist(np.random.default_rng(8)))
     failed = run_cli("train", "--dataset", "mnist", "--data-dir", str(tmp_path), "--epochs", "1", "--quiet")

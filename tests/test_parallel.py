@@ -319,7 +319,7 @@ def _parallel_suite(rank: int, world: int, directory: str) -> dict:
     return found
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["world2", "world3"])
 def parallel_suite(request, tmp_path_factory):
     world = request.param
     directory = tmp_path_factory.mktemp(f"parallel{world}")
@@ -503,6 +503,7 @@ def test_the_global_batch_note_gives_the_shares_and_the_batch_to_give():
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_empty_shares_leave_the_epoch_loss_finite(tmp_path):
     """718 samples a batch leave one sample in the last batch of digits' 1,437: ranks 1 and 2 get none."""
     settings = {"batch_size": 718, "epochs": 2}

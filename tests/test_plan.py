@@ -13,6 +13,9 @@ from paratrain.errors import ConfigError
 from paratrain.tools import PlanConfig, plan
 from processes import run_cli
 
+pytestmark = pytest.mark.slow  # `make slow` (and CI) runs these; `make test` leaves them
+
+
 TINY = {"model": "mlp", "width": 16, "depth": 1, "input_shape": "6", "num_classes": 3, "batch_size": 12}
 
 

@@ -17,6 +17,9 @@ from paratrain.tools.settings import RunSettings
 from paratrain.tools.workload import Workload
 from processes import descendants
 
+pytestmark = pytest.mark.slow  # `make slow` (and CI) runs these; `make test` leaves them
+
+
 TINY = RunSettings(model="mlp", width=16, depth=1, input_shape="6", num_classes=3, batch_size=12)
 
 

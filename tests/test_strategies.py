@@ -64,6 +64,7 @@ def test_no_sync_on_a_model_the_strategy_did_not_wrap_is_an_error(strategy, devi
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_a_metric_all_reduce_that_a_rank_skips_names_it(tmp_path):
     """The strategy's own collectives go through the same monitor as the gradients: the missing rank is named."""
     results = run_ranks(a_metric_all_reduce_only_some_ranks_make, 3, tmp_path, timeout=60)

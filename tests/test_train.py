@@ -41,6 +41,7 @@ def test_the_seed_job_reaches_about_89_percent(seed_run):
     assert result.train_loss < result.epoch_losses[0]
 
 
+@pytest.mark.slow
 def test_same_seed_same_fingerprint(seed_run):
     again = train(_config())
     assert again.model_fingerprint == seed_run[0].model_fingerprint
@@ -70,6 +71,7 @@ def test_checkpoints_every_epoch_are_plain_weights_only_dicts(seed_run):
     assert "state" in state["optimizer"] and "rng" in state
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_gives_the_uninterrupted_fingerprint(seed_run, tmp_path):
     first = train(_config(checkpoint_dir=str(tmp_path), checkpoint_every=7, max_steps=30))
     assert first.steps == 30
@@ -176,6 +178,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_cli_prints_the_seed_lines_and_writes_metrics(tmp_path):
     out = tmp_path / "metrics.json"
     result = _cli("--epochs", "2", "--log-every", "10", "--metrics-out", str(out))
@@ -203,6 +206,7 @@ def test_cli_prints_the_seed_lines_and_writes_metrics(tmp_path):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_cli_quiet_prints_only_the_result():
     result = _cli("--epochs", "1", "--quiet")
     assert result.returncode == 0, result.stderr
@@ -229,6 +233,7 @@ def test_cli_usage_errors_exit_2_without_traceback(capsys, args, code, message):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_cli_runtime_errors_exit_1(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -244,6 +249,7 @@ def test_cli_runtime_errors_exit_1(tmp_path):
 @pytest.mark.parametrize(
     "script, extra", [("mnist_single.py", []), ("mnist_parallel.py", ["--strategy", "dp", "--devices", "cpu,cpu"])]
 )
+@pytest.mark.slow
 def test_examples_run_on_tiny_settings(script, extra):
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run(

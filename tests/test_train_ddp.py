@@ -101,6 +101,7 @@ def test_ddp_three_processes_resume_on_every_rank(single, tmp_path):
     assert resumed["epoch_losses"][-1] == pytest.approx(full["epoch_losses"][-1], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_two_node_agents_on_one_machine_equal_one_node(two_processes, tmp_path):
     port = str(free_port())
     nodes = [
@@ -131,6 +132,7 @@ def test_two_node_agents_on_one_machine_equal_one_node(two_processes, tmp_path):
     assert metrics["model_fingerprint"] == one_node["model_fingerprint"]
 
 
+@pytest.mark.slow
 def test_parallel_example_through_the_launcher_is_ddp():
     root = Path(__file__).resolve().parents[1]
     result = run_cli("launch", "--nproc-per-node", "2", str(root / "examples" / "mnist_parallel.py"), "--epochs", "1")
@@ -142,6 +144,7 @@ def test_parallel_example_through_the_launcher_is_ddp():
     assert result.stderr.count(note) == 1, result.stderr
 
 
+@pytest.mark.slow
 def test_the_logged_loss_is_the_global_batchs_and_the_threads_are_each_workers_share(tmp_path):
     """The tutorial's `Epoch E, Step S, Loss: L` line under ddp is the whole batch's loss, as on one device."""
     lines: list[str] = []
@@ -172,6 +175,7 @@ def test_the_logged_loss_is_the_global_batchs_and_the_threads_are_each_workers_s
     ],
     ids=["broken-model", "wrong-shape", "no-mnist"],
 )
+@pytest.mark.slow
 def test_a_ddp_runs_usage_error_is_one_line_from_the_launcher_as_without_ddp(args, message, tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     alone = run_cli("train", *args, cwd=tmp_path, env=env)
@@ -203,6 +207,7 @@ def ddp2_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("where", ["epoch-0001-step-000000.pt", "epoch-0001-step-000005.pt"], ids=["boundary", "mid"])
 @pytest.mark.parametrize("strategy, devices", [("single", "cpu"), ("dp", "cpu,cpu,cpu"), ("ddp", "3")])
+@pytest.mark.slow
 def test_a_ddp_checkpoint_resumes_on_any_number_of_devices(
     single, ddp2_checkpoints, tmp_path, where, strategy, devices
 ):
@@ -231,6 +236,7 @@ def test_a_ddp_checkpoint_resumes_on_any_number_of_devices(
         torch.testing.assert_close(mine[key], params[key], atol=3e-8, rtol=0)
 
 
+@pytest.mark.slow
 def test_more_processes_than_samples_per_step_train_like_one_and_say_so_once(tmp_path):
     """Three processes with a global batch of 2: the third gets no samples each step. The run trains as one device
     does, and says so in one line at the start."""

@@ -49,6 +49,7 @@ def one_step_per_batch(tmp_path_factory):
 @pytest.mark.parametrize(
     "strategy, devices, accumulate", [("single", "cpu", 4), ("single", "cpu", 3), ("dp", "cpu,cpu,cpu", 4)]
 )
+@pytest.mark.slow
 def test_accumulation_trains_the_same_parameters(one_step_per_batch, tmp_path, strategy, devices, accumulate):
     config = TrainConfig(
         strategy=strategy, devices=devices, accumulate=accumulate, checkpoint_dir=str(tmp_path), epochs=2, **SMALL
@@ -372,6 +373,7 @@ def test_a_users_model_that_fails_says_which(user_models, factory, message):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_ddp_accumulates_like_one_device_and_only_rank_0_logs(one_step_per_batch, tmp_path):
     tensorboard = "--tensorboard" if _has("tensorboard") else "--no-tensorboard"
     plot = "--plot" if _has("matplotlib") else "--no-plot"

@@ -67,6 +67,7 @@ def test_a_configuration_this_machine_cannot_run_is_skipped_never_passed(clean):
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_command_end_to_end_names_a_summed_loss_under_ddp(tmp_path):
     out = tmp_path / "verify.json"
     args = ["--model", "verify_models:clean_net", "--input-shape", "6", "--num-classes", "3", "--batch-size", "12"]
@@ -190,6 +191,7 @@ def test_clean_models_pass_under_adamw_and_bf16_where_a_fixed_tolerance_cried_wo
     assert bf16.verdict("ddp:2").max_rel["gradient"] > 1e-3
 
 
+@pytest.mark.slow
 def test_a_clean_small_cnn_passes_under_dp_on_every_seed():
     for seed in range(3):
         settings = {"model": "verify_models:small_cnn", "seed": seed, "steps": 5}

@@ -145,6 +145,7 @@ def test_a_ddp_checkpoint_continues_under_zero1_and_zero2(two):
         assert r["from_ddp_zero1_bitwise"] and r["from_ddp_zero2_bitwise"]
 
 
+@pytest.mark.slow
 def test_three_ranks_zero1_bitwise_zero2_within_float32_rounding(three):
     for rank in three:
         for config, r in rank["exactness"].items():
@@ -163,6 +164,7 @@ def test_a_rank_that_never_steps_is_named_in_the_all_gather(three):
         assert r["seconds"] < 10
 
 
+@pytest.mark.slow
 def test_four_ranks_against_ddp(tmp_path):
     for rank in run_ranks(four_ranks, 4, tmp_path, timeout=300):
         for config, r in rank.items():

@@ -75,6 +75,7 @@ def test_the_zero2_checkpoint_is_every_ranks_slices(zero2_on_3):
     [("zero1", "2", "zero2"), ("zero2", "2", "single")],
     ids=["zero2x3-as-zero1x2", "single-as-zero2x2"],
 )
+@pytest.mark.slow
 def test_a_checkpoint_resumes_under_another_strategy_and_world_size(
     single, zero2_on_3, tmp_path, strategy, processes, source
 ):
