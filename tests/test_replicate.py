@@ -54,6 +54,17 @@ def test_tied_weights_stay_tied_in_replicas():
     assert rep["emb"].weight is rep["head"].weight
 
 
+def test_a_parameter_registered_as_none_stays_none_and_forward_runs():
+    """Linear(bias=False) registers its bias as None and reads it in forward: a replica without it failed with
+    "'Linear' object has no attribute 'bias'" (found by the habit matrix, tied weights under dp)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2, bias=False))
+    replicas = Replicator(model, [CPU] * 2, share_same_device=False).replicate().modules
+    x = torch.randn(3, 4)
+    for rep in replicas:
+        assert rep[2].bias is None
+        assert torch.equal(rep(x), model(x))
+
+
 def test_replica_objects_are_reused_until_the_structure_changes():
     model = _mlp()
     replicator = Replicator(model, [CPU] * 2)

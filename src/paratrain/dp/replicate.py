@@ -280,7 +280,8 @@ def _refresh_shell(
     state.update(original.__dict__)
     if own_replicate:  # the module's own replication hook (RNNs copy their _flat_weights list there)
         state.update(original._replicate_for_data_parallel().__dict__)
-    state["_parameters"] = {}
+    # a parameter registered as None (Linear(bias=False)'s bias) stays None: forward reads it
+    state["_parameters"] = {name: None for name, p in original._parameters.items() if p is None}
     state["_buffers"] = {}
     state["_modules"] = children
     state["_is_replica"] = True
