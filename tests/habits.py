@@ -220,6 +220,21 @@ def state_dict_round_trip(par: paratrain.Parallel) -> torch.Tensor:
     return flat(plain)
 
 
+def prepared_state_dict_into_plain(par: paratrain.Parallel) -> torch.Tensor:
+    net = mlp()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer, loader = par.prepare(net, optimizer, data())
+    for x, y in loader:
+        par.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = copy.deepcopy(model.state_dict())  # the prepared model's: torch.save(model.state_dict(), path)
+    plain = mlp()
+    plain.load_state_dict(saved)  # the user's own keys, no "module." prefix
+    model.load_state_dict(saved)  # and the prepared model takes them back
+    return flat(plain)
+
+
 def load_plain_checkpoint_first(par: paratrain.Parallel) -> torch.Tensor:
     torch.manual_seed(11)
     start = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).state_dict()
@@ -303,6 +318,7 @@ HABITS: dict[str, Callable[..., torch.Tensor]] = {
     "two `par.backward` calls before one step": two_backwards_per_step,
     "EMA of the weights after each step": weight_ema,
     "`par.unwrap(model).state_dict()` loaded into a plain model": state_dict_round_trip,
+    "the prepared model's `state_dict()` loaded into a plain model": prepared_state_dict_into_plain,
     "`load_state_dict` of a plain checkpoint after `prepare`": load_plain_checkpoint_first,
     "evaluation under `torch.no_grad()` on rank 0 only": eval_on_main_only,
     "tied weights (`head.weight is wte.weight`)": tied_weights,

@@ -45,6 +45,7 @@ from paratrain.loop.precision import Precision, select_precision
 from paratrain.loop.prepared import BatchLedger, PreparedIndexedLoader, PreparedLoader, Recording, prepare_loader
 from paratrain.strategies import ReduceOp, Strategy, select_strategy
 from paratrain.tree import flatten
+from paratrain.user_keys import UserKeys
 
 __all__ = ["Parallel", "seed_everything"]
 
@@ -260,6 +261,8 @@ class Parallel:
     def _prepare_one(self, obj: Any) -> Any:
         if isinstance(obj, nn.Module):
             wrapped = self.strategy.wrap_model(obj)
+            if isinstance(wrapped, UserKeys):  # its state_dict() has the user's keys, as the model's own
+                wrapped.user_keys = True
             if self.world_size > 1:  # in one process every loss weighs 1: nothing to find out per forward
                 self._handles.append(wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True))
             elif not self._forward_ran:  # one process: only the first forward is watched (backward's check)

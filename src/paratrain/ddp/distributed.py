@@ -45,6 +45,7 @@ from paratrain.ddp.setup import (
 from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.tree import map_tensors
+from paratrain.user_keys import UserKeys
 
 __all__ = ["DistributedDataParallel", "Join"]
 
@@ -55,7 +56,7 @@ def _on_grad(reducer_ref: weakref.ref[Reducer], index: int, param: torch.Tensor)
         reducer.on_grad(index)
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(UserKeys, nn.Module):
     """Average gradients across processes; a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
 
     Args:

@@ -22,11 +22,12 @@ from paratrain.dp.parallel_apply import ThreadState, WorkerPool, parallel_apply
 from paratrain.dp.replicate import BUFFER_MODES, BufferMode, ReplicaSet, Replicator
 from paratrain.dp.scatter_gather import Scattered, gather, scatter
 from paratrain.errors import ConfigError, DeviceError
+from paratrain.user_keys import UserKeys
 
 __all__ = ["DataParallel"]
 
 
-class DataParallel(nn.Module):
+class DataParallel(UserKeys, nn.Module):
     """Run ``module`` on several devices at once by splitting each batch along ``dim``.
 
     A drop-in for ``torch.nn.DataParallel`` with the same arguments and contract, built from this package's

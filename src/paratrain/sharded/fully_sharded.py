@@ -54,6 +54,7 @@ from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
 from paratrain.sharded.reducer import all_gather_into, reduce_scatter_into
 from paratrain.sharded.units import DEFAULT_MIN_PARAMS, UnitPlan, UnitSpec, plan_units
 from paratrain.tree import flatten
+from paratrain.user_keys import UserKeys
 
 __all__ = ["MAX_REDUCING", "FullyShardedDataParallel"]
 
@@ -72,7 +73,7 @@ class _Reducing:
     out: torch.Tensor
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(UserKeys, nn.Module):
     """The model's weights, gradients and optimizer state sharded across ranks, unit by unit (module docstring).
 
     Args:
