@@ -20,6 +20,7 @@ datasets) stays a plain DataLoader.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -130,7 +131,7 @@ class BatchedDataLoader:
         torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
         for b, indices in enumerate(batches):
             if b >= start:
-                yield torch.as_tensor(indices, dtype=torch.int64)
+                yield _index_tensor(indices)
 
     def take(self, indices: torch.Tensor) -> Any:
         """The batch of the samples at ``indices``, as the DataLoader collates it (a list of tensors)."""
@@ -141,6 +142,17 @@ class BatchedDataLoader:
         if self.rows is not None:
             where = self.rows.index_select(0, where)
         return [t.index_select(0, where) for t in self.tensors]
+
+
+def _index_tensor(indices: Any) -> torch.Tensor:
+    """A batch sampler's list of ints as an int64 tensor, through an ``array`` (C's loop over the list): under a
+    quarter of ``torch.as_tensor``'s time on a list of 64 (3.3 against 14.7 us here), once per step."""
+    if type(indices) is list:
+        try:
+            return torch.frombuffer(array.array("q", indices), dtype=torch.int64)
+        except (TypeError, ValueError, OverflowError):  # not ints (array refuses them), or empty (frombuffer does)
+            pass
+    return torch.as_tensor(indices, dtype=torch.int64)
 
 
 def _fits(tensors: tuple[torch.Tensor, ...], device: torch.device) -> bool:
