@@ -1,8 +1,8 @@
 # make run   : the main job (creates .venv on first use)
-# make test  : lint, type-check and the whole test suite (two workers), with the 25 slowest tests (what CI runs)
+# make test  : lint, type-check and the test suite but the slow tier (two workers), with the 25 slowest tests
 # make unit  : the tests that start no process (under a minute): the quick loop while changing a module
-# make slow  : the longest process tests (fault matrix, elastic restarts, three-process resumes, zero3 runs); CI runs
-#              them after make test
+# make slow  : the long process tests (world-3 suites, resume matrices, faults, launcher edges, plan/bench/verify end
+#              to end): about 16 minutes; CI runs them after make test
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

@@ -152,8 +152,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "slow: one of the longest process tests (the fault matrix, elastic restarts, three-process resumes, zero3's "
-        "train runs); `make test` leaves these to `make slow`, and CI runs both",
+        "slow: a long process test beyond the one oracle per path `make test` keeps (world-3 suites, resume matrices, "
+        "faults, launcher edges, plan/bench/verify end to end); `make test` leaves them to `make slow`; CI runs both",
     )
     subprocess.Popen.__init__ = _guarded(subprocess.Popen.__init__)  # type: ignore[method-assign]
     multiprocessing.process.BaseProcess.start = _guarded(multiprocessing.process.BaseProcess.start)  # type: ignore[method-assign]

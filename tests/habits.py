@@ -90,6 +90,15 @@ def _loop(
     return flat(par.unwrap(model))
 
 
+def _steps(
+    par: paratrain.Parallel, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, set_to_none: bool = True
+) -> None:
+    for x, y in loader:
+        par.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+
 # -- the habits -----------------------------------------------------------------------------------------------
 
 
@@ -137,10 +146,7 @@ def optimizer_never_prepared(par: paratrain.Parallel) -> torch.Tensor:
     net = mlp()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     model, loader = par.prepare(net, data())  # the optimizer left out
-    for x, y in loader:
-        par.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    _steps(par, model, optimizer, loader)
     return flat(par.unwrap(model))
 
 
@@ -148,10 +154,7 @@ def optimizer_after_prepare(par: paratrain.Parallel) -> torch.Tensor:
     net = mlp()
     model, loader = par.prepare(net, data())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # over the prepared model, never prepared
-    for x, y in loader:
-        par.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    _steps(par, model, optimizer, loader)
     return flat(par.unwrap(model))
 
 
@@ -173,10 +176,7 @@ def zero_grad_keeping_tensors(par: paratrain.Parallel) -> torch.Tensor:
     net = mlp()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     model, optimizer, loader = par.prepare(net, optimizer, data())
-    for x, y in loader:
-        par.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+    _steps(par, model, optimizer, loader, set_to_none=False)
     return flat(par.unwrap(model))
 
 
@@ -211,10 +211,7 @@ def state_dict_round_trip(par: paratrain.Parallel) -> torch.Tensor:
     net = mlp()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     model, optimizer, loader = par.prepare(net, optimizer, data())
-    for x, y in loader:
-        par.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    _steps(par, model, optimizer, loader)
     plain = mlp()
     plain.load_state_dict(copy.deepcopy(par.unwrap(model).state_dict()))  # what a script saves and loads
     return flat(plain)
@@ -224,10 +221,7 @@ def prepared_state_dict_into_plain(par: paratrain.Parallel) -> torch.Tensor:
     net = mlp()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     model, optimizer, loader = par.prepare(net, optimizer, data())
-    for x, y in loader:
-        par.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    _steps(par, model, optimizer, loader)
     saved = copy.deepcopy(model.state_dict())  # the prepared model's: torch.save(model.state_dict(), path)
     plain = mlp()
     plain.load_state_dict(saved)  # the user's own keys, no "module." prefix
@@ -242,10 +236,7 @@ def load_plain_checkpoint_first(par: paratrain.Parallel) -> torch.Tensor:
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     model, optimizer, loader = par.prepare(net, optimizer, data())
     par.unwrap(model).load_state_dict(start)  # a plain checkpoint, after prepare, before training
-    for x, y in loader:
-        par.backward(F.cross_entropy(model(x), y))
-        optimizer.step()
-        optimizer.zero_grad()
+    _steps(par, model, optimizer, loader)
     return flat(par.unwrap(model))
 
 
