@@ -243,13 +243,7 @@ class Parallel:
             return
         again = again or (isinstance(obj, nn.Module | torch.optim.Optimizer) and any(obj is o for o in before))
         if again:
-            kind = (
-                "model"
-                if isinstance(obj, nn.Module)
-                else "optimizer"
-                if isinstance(obj, torch.optim.Optimizer)
-                else "loader"
-            )
+            kind = next((name for cls, name in _KINDS if isinstance(obj, cls)), "loader")
             raise ConfigError(
                 f"prepare() got this {kind} ({type(obj).__name__}) a second time (the object itself, or "
                 f"what prepare() returned for it): preparing it again would wrap it twice (a model inside two "
@@ -570,6 +564,9 @@ class Parallel:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(clean=exc_type is None)
+
+
+_KINDS: tuple[tuple[type, str], ...] = ((nn.Module, "model"), (torch.optim.Optimizer, "optimizer"))
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
