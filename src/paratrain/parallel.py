@@ -21,7 +21,6 @@ over several devices in this process), and, with torchrun, ``ddp``. ``auto`` pic
 from __future__ import annotations
 
 import builtins
-import contextlib
 import random
 import warnings
 import weakref
@@ -41,6 +40,7 @@ from paratrain.environment import ClusterEnvironment
 from paratrain.errors import ConfigError
 from paratrain.loop.accumulation import check_steps, cut, micro_sizes, samples_in
 from paratrain.loop.checkpoint_io import load_state, save_state
+from paratrain.loop.contract import Contract, params_of
 from paratrain.loop.precision import Precision, select_precision
 from paratrain.loop.prepared import BatchLedger, PreparedIndexedLoader, PreparedLoader, Recording, prepare_loader
 from paratrain.strategies import ReduceOp, Strategy, select_strategy
@@ -151,14 +151,11 @@ class Parallel:
         self._warned_unmatched = False
         self._forward_ran = False  # a prepared model ran forward with autograd: backward has a loss of ours
         self._first_forward: list[RemovableHandle] = []  # one process: the hooks that watch for that forward
-        self._backwards = 0  # par.backward() calls so far; a prepared optimizer's step needs one since its last
-        self._stepped_at: dict[int, int] = {}  # a prepared optimizer (by id) -> self._backwards at its last step
-        self._prepared: weakref.WeakSet[Any] = weakref.WeakSet()  # what prepare() took and returned: never twice
+        self._contract = Contract()  # prepare() once, par.backward() before a step, synchronised gradients
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._trains: dict[int, set[int]] = {}  # a prepared optimizer (by id) -> the model parameters it trains
         self._handles: list[RemovableHandle] = []
         self._no_sync_depth = 0
-        self._local_grads = False  # the latest backward ran inside no_sync: gradients are this process's own
         self._stepping = False  # inside step(): the optimizers' own step() is expected
 
     # -- where we are -----------------------------------------------------------------------------------------
@@ -226,31 +223,11 @@ class Parallel:
         the order given (one object: just that object).
         """
         for i, obj in enumerate(objects):
-            self._check_not_prepared(obj, objects[:i])
+            self._contract.check_not_prepared(obj, objects[:i])
         prepared = tuple(self._prepare_one(obj) for obj in objects)
         for obj, result in zip(objects, prepared, strict=True):
-            with contextlib.suppress(TypeError):  # an object that takes no weak reference (a list of batches)
-                self._prepared.add(result)
-                if isinstance(obj, nn.Module | torch.optim.Optimizer):  # a loader may feed two prepared ones
-                    self._prepared.add(obj)
+            self._contract.took(obj, result)
         return prepared[0] if len(prepared) == 1 else prepared
-
-    def _check_not_prepared(self, obj: Any, before: tuple[Any, ...]) -> None:
-        """Refuse an object prepare() already took (or returned): a model wrapped twice trains another model."""
-        try:
-            again = obj in self._prepared
-        except TypeError:
-            return
-        again = again or (isinstance(obj, nn.Module | torch.optim.Optimizer) and any(obj is o for o in before))
-        if again:
-            kind = next((name for cls, name in _KINDS if isinstance(obj, cls)), "loader")
-            raise ConfigError(
-                f"prepare() got this {kind} ({type(obj).__name__}) a second time (the object itself, or "
-                f"what prepare() returned for it): preparing it again would wrap it twice (a model inside two "
-                f"wrappers, a batch cut twice), which trains another model. Pass each model, optimizer and loader "
-                f"to prepare() once, and use what it returned: model, optimizer, loader = par.prepare(model, "
-                f"optimizer, loader)"
-            )
 
     def _prepare_one(self, obj: Any) -> Any:
         if isinstance(obj, nn.Module):
@@ -266,11 +243,11 @@ class Parallel:
         if isinstance(obj, torch.optim.Optimizer):
             # parameters moved in place by .to(), so the optimizer still holds the right ones; a sharded strategy
             # returns one of the same class over this process's shard
-            trains = {id(p) for p in _params_of(obj)}  # the user's parameters (a sharded strategy shards obj in place)
+            trains = {id(p) for p in params_of(obj)}  # the user's parameters (a sharded strategy shards obj in place)
             prepared = self.strategy.wrap_optimizer(obj)
             self._optimizers.append(weakref.ref(prepared))
             self._trains[id(prepared)] = trains
-            self._stepped_at[id(prepared)] = self._backwards
+            self._contract.stepped(prepared)
             self._handles.append(prepared.register_step_pre_hook(self._before_step))
             return prepared
         if isinstance(obj, Iterable):
@@ -360,8 +337,7 @@ class Parallel:
         weight = self.strategy.loss_weight(share.local, share.total) if share is not None and share.total else 1.0
         weight *= fraction
         self.strategy.backward(self.precision.scale(loss if weight == 1.0 else loss * weight))
-        self._backwards += 1
-        self._local_grads = self._no_sync_depth > 0
+        self._contract.backward_done(local=self._no_sync_depth > 0)
 
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -420,7 +396,7 @@ class Parallel:
             ConfigError: the latest backward ran inside ``no_sync`` (gradients not synchronised yet), or
                 ``16-mixed`` and no prepared optimizer holds the model's parameters.
         """
-        self._check_synchronised("clip_grad_norm_()")
+        self._contract.check_synchronised("clip_grad_norm_()")
         module = self.unwrap(model)
         if self.precision.scaled:
             params = {id(p) for p in module.parameters()}
@@ -452,7 +428,7 @@ class Parallel:
         """
         if not optimizers:
             raise ConfigError("step() takes the optimizer(s) to step, e.g. par.step(optimizer)")
-        self._check_synchronised("step()")
+        self._contract.check_synchronised("step()")
         self._stepping = True
         try:
             return self.precision.step(optimizers)
@@ -461,36 +437,14 @@ class Parallel:
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """A prepared optimizer's step pre-hook: refuse steps that would apply the wrong gradients."""
-        self._check_synchronised("optimizer.step()")
-        closure = len(args) > 1 or (kwargs or {}).get("closure") is not None  # args: (optimizer, closure?)
-        if self._stepped_at.get(id(optimizer)) == self._backwards and not closure:  # its backward runs inside
-            self._refuse_plain_backward(optimizer)
+        self._contract.before_step(optimizer, args, kwargs)
         if self.precision.scaled and not self._stepping:
             raise ConfigError(
                 f"under precision {self.precision.name!r} the gradients carry the loss scale: step with "
                 f"par.step(optimizer), which unscales them and skips steps with inf/nan gradients, instead of "
                 f"optimizer.step()"
             )
-        self._stepped_at[id(optimizer)] = self._backwards  # a step refused above did not happen
-
-    def _refuse_plain_backward(self, optimizer: torch.optim.Optimizer) -> None:
-        """A step on gradients that no par.backward() made since this optimizer's last step: loss.backward()."""
-        if any(p.grad is not None for p in _params_of(optimizer)):
-            raise ConfigError(
-                "optimizer.step() on gradients that no par.backward() made since this optimizer's last step: the "
-                "loop calls loss.backward(), which skips par.backward()'s weighting of each process's loss by its "
-                "share of the global batch (uneven shares drift) and its loss scaling under 16-mixed. Replace "
-                "loss.backward() with par.backward(loss) (the raw paratrain.DistributedDataParallel keeps torch's "
-                "loss.backward())"
-            )
-
-    def _check_synchronised(self, what: str) -> None:
-        if self._local_grads:
-            raise ConfigError(
-                f"{what} after a backward inside no_sync: the gradients are this process's own, not yet the "
-                f"global batch's; call it after the last micro-batch's backward (after the par.accumulate() "
-                f"loop, or after a backward outside no_sync)"
-            )
+        self._contract.stepped(optimizer)  # a step refused above did not happen
 
     def _live_optimizers(self) -> list[torch.optim.Optimizer]:
         return [opt for ref in self._optimizers if (opt := ref()) is not None]
@@ -564,11 +518,3 @@ class Parallel:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(clean=exc_type is None)
-
-
-_KINDS: tuple[tuple[type, str], ...] = ((nn.Module, "model"), (torch.optim.Optimizer, "optimizer"))
-
-
-def _params_of(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    for group in optimizer.param_groups:
-        yield from group["params"]
