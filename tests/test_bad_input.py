@@ -81,6 +81,7 @@ def test_a_checkpoint_with_flipped_bytes_is_refused_naming_the_last_good_one(tmp
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_resume_refuses_a_damaged_checkpoint_from_the_command_line(tmp_path):
     directory = tmp_path / "ckpt"
     first = run_cli("train", "--epochs", "2", "--quiet", "--checkpoint-dir", str(directory))

@@ -86,6 +86,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_fingerprint(seed_run, tmp_path
 
 
 @pytest.mark.processes
+@pytest.mark.slow
 def test_resume_after_a_killed_process(seed_run, tmp_path):
     """A real fault: SIGKILL the training process once it has written a mid-epoch checkpoint, then resume."""
     args = [

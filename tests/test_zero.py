@@ -155,6 +155,7 @@ def test_three_ranks_zero1_bitwise_zero2_within_float32_rounding(three):
             assert r["single_rel"] < 1e-3
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_steps_is_named_in_the_all_gather(three):
     assert three[2]["skipped_step"] == "skipped"
     for rank in three[:2]:

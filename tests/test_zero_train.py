@@ -23,7 +23,7 @@ from paratrain.training import TrainConfig, train
 from paratrain.training.model_spec import build_model_spec
 from processes import finish, start_cli
 
-pytestmark = pytest.mark.processes  # every test here starts processes
+pytestmark = [pytest.mark.processes, pytest.mark.slow]  # every test here starts processes; `make slow` runs them
 
 RUN = {"epochs": 1, "optimizer": "adamw", "lr": 1e-3, "quiet": True}
 FLAGS = ("--quiet", "--epochs", "1", "--optimizer", "adamw", "--lr", "0.001")
