@@ -207,24 +207,30 @@ class DistributedStrategy(Strategy):
         return f"ddp, {n} process{'es' * (n != 1)}, on {self._device.type}"
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self._device)
-        device_ids = [self._device] if self._device.type == "cuda" else None
-        options = self.options
         # by default the buckets are the gradients (torch's gradient_as_bucket_view): one copy of them, not two,
         # as the sharded strategies keep them too (docs/sharding.md's memory table)
         wrapped = DistributedDataParallel(
-            model,
-            device_ids=device_ids,
-            bucket_cap_mb=options.bucket_cap_mb,
-            find_unused_parameters=options.find_unused_parameters,
-            gradient_as_bucket_view=options.gradient_as_bucket_view,
-            static_graph=options.static_graph,
-            timeout=self._timeout,
-            hang_report=self._hang_report,
+            model.to(self._device), gradient_as_bucket_view=self.options.gradient_as_bucket_view, **self._wrapper_args()
         )
+        return self._adopt(wrapped)
+
+    def _wrapper_args(self) -> dict[str, Any]:
+        """What every DDP-based wrapper of this strategy is built with: its device, the options, the timeout."""
+        options = self.options  # what a strategy refuses was refused when it was built
+        return {
+            "device_ids": [self._device] if self._device.type == "cuda" else None,
+            "bucket_cap_mb": options.bucket_cap_mb,
+            "find_unused_parameters": options.find_unused_parameters,
+            "static_graph": options.static_graph,
+            "timeout": self._timeout,
+            "hang_report": self._hang_report,
+        }
+
+    def _adopt(self, wrapped: DistributedDataParallel) -> DistributedDataParallel:
+        """Keep ``wrapped`` (closed at teardown) and register the options' communication hook on it."""
         self._ddp.append(wrapped)
-        if options.comm_hook is not None:
-            wrapped.register_comm_hook(options.comm_state, options.comm_hook)
+        if self.options.comm_hook is not None:
+            wrapped.register_comm_hook(self.options.comm_state, self.options.comm_hook)
         return wrapped
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:

@@ -34,23 +34,7 @@ class ZeroStrategy(ShardedStrategy):
     stage: ClassVar[int] = 0
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self._device)
-        device_ids = [self._device] if self._device.type == "cuda" else None
-        options = self.options  # what it refuses was refused when the strategy was built
-        wrapped = ZeroDataParallel(
-            model,
-            self.stage,
-            device_ids=device_ids,
-            bucket_cap_mb=options.bucket_cap_mb,
-            find_unused_parameters=options.find_unused_parameters,
-            static_graph=options.static_graph,
-            timeout=self._timeout,
-            hang_report=self._hang_report,
-        )
-        self._ddp.append(wrapped)
-        if options.comm_hook is not None:
-            wrapped.register_comm_hook(options.comm_state, options.comm_hook)
-        return wrapped
+        return self._adopt(ZeroDataParallel(model.to(self._device), self.stage, **self._wrapper_args()))
 
     def describe(self) -> str:
         return f"{self.name}, {self.world_size} processes, on {self._device.type}"
