@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import clip_exactness
 import habits
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -56,7 +57,10 @@ def launched(tmp_path_factory):
         command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=out
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    found = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    for r, cells in enumerate(found):
+        cells["clip"] = json.loads((out / f"clip-rank-{r}.json").read_text())
+    return found
 
 
 @pytest.mark.parametrize("name", list(habits.HABITS))
@@ -83,6 +87,20 @@ def test_ddp_zero1_zero2_in_one_launch(one_process, launched, name):
         for strategy in ("zero1", "zero2"):
             want = expected[strategy] if rank == 0 or not main_only else habits.SAME
             _check(cells[strategy], want, f"rank {rank} {strategy}", ddp, exact=True)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("strategy", clip_exactness.STRATEGIES)
+def test_par_clip_grad_norm_is_torchs_clip_on_torchs_ddp_bit_for_bit(launched, strategy):
+    """20 AdamW steps, every one clipped: each step's norm and the final weights are those of
+    torch.nn.utils.clip_grad_norm_(model.parameters()) on torch's DDP (a float64 sum differed on 6 steps of 20)."""
+    for rank, found in enumerate(launched):
+        clip = found["clip"]
+        assert clip["clipped_steps"] == clip["steps"], clip  # every step clipped: the coefficient matters
+        r = clip[strategy]
+        assert r["same_norms"] == clip["steps"] and r["bitwise"], f"rank {rank}: {r}"
+        if strategy == "zero2":  # from the second step on, measured as each bucket was reduced: no extra gather
+            assert r["measured_in_backward"] == clip["steps"] - 1, r
 
 
 def test_the_docs_show_the_matrix():

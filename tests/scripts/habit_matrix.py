@@ -1,5 +1,6 @@
 """Every habit of tests/habits.py under ddp, zero1 and zero2, one Parallel per cell, in one launch; each rank writes
-what each cell gave to OUT/rank-R.json.
+what each cell gave to OUT/rank-R.json, and par.clip_grad_norm_ against torch's clip on torch's DDP
+(tests/clip_exactness.py) to OUT/clip-rank-R.json.
 
     torchrun --standalone --nproc-per-node 2 habit_matrix.py OUT
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the habits
 
+import clip_exactness
 import habits
 
 
@@ -24,6 +26,7 @@ def main() -> int:
         for name in habits.HABITS
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(found))
+    (out / f"clip-rank-{rank}.json").write_text(json.dumps(clip_exactness.against_torch(rank)))
     return 0
 
 

@@ -47,7 +47,7 @@ from paratrain.comm.process_groups import no_python_in_work, to_seconds
 from paratrain.ddp.setup import agree_at_start_up
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.flat_unit import ShardedUnit
-from paratrain.sharded.grad_norm import norm_terms
+from paratrain.sharded.grad_norm import clip_coefficient, scale_grads, tensor_norm, total_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.meta_init import check_same_everywhere, materialize_units
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
@@ -427,9 +427,29 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
 
     # -- global views ----------------------------------------------------------------------------------------
 
-    def shard_norm_terms(self, pieces: Sequence[OwnedPiece], norm_type: float) -> torch.Tensor:
-        terms = [g for piece in pieces if (g := self.piece_grad(piece)) is not None]
-        return norm_terms(terms, norm_type, self._control)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` on the module's parameters under DDP: the same norm, the same clipped gradients.
+
+        No rank holds a whole gradient, and torch's norm of a tensor cannot be rebuilt from pieces: each unit's
+        gradient is gathered back whole, one unit at a time, for its parameters' norms; torch's total of them and
+        its coefficient then scale this rank's pieces (elementwise: the same numbers). A collective: every rank.
+        """
+        norm_type = float(norm_type)
+        found: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            if unit.shard_grad is None or not unit.trainable:
+                continue  # the same on every rank: reduced (or not) together
+            whole = self._all_gather(unit, unit.shard_grad, f"gradients of unit {unit.label}, for their norm")
+            for i in unit.trainable:
+                p = unit.params[i]
+                found[id(p)] = tensor_norm(whole.narrow(0, unit.offsets[i], p.numel()).view_as(p), norm_type)
+            del whole
+        norms = [found[id(p)] for p in self.module.parameters() if id(p) in found]  # torch's order
+        grads = [g for piece in self.owned_pieces() if (g := self.piece_grad(piece)) is not None]
+        norm = total_norm(norms, norm_type)
+        with torch.no_grad():
+            scale_grads(grads, clip_coefficient(norm, max_norm))
+        return norm
 
     def _all_gather(self, unit: ShardedUnit, part: torch.Tensor, what: str) -> torch.Tensor:
         whole = torch.empty(unit.layout.padded, dtype=unit.dtype, device=unit.device)

@@ -1,12 +1,14 @@
-"""The global gradient norm and clipping, computed alike however the gradient is split across ranks.
+"""The global gradient norm and clipping: torch's arithmetic on whole gradients, applied to any split of them.
 
-    terms = norm_terms(grads, 2.0, device)        # sum of |g|^2 over these tensors, in float64
-    terms = all-reduced over ranks                 # the sharded strategies: every rank's pieces
-    norm = clip_with_norm(terms, grads, max_norm=1.0, norm_type=2.0, dtype=torch.float32)
+    norms = [tensor_norm(g, 2.0) for g in whole_grads]    # each gradient's norm, as torch's clip_grad_norm_ takes it
+    norm = total_norm(norms, 2.0)                          # torch's total of them
+    scale_grads(grads, clip_coefficient(norm, max_norm))   # any split of the gradients: elementwise, the same numbers
 
-Each term is summed in float64, so the total does not depend on how the elements were split (whole gradients on
-one rank under ddp, each rank's pieces under zero1/zero2): two splits differ in float64's last bits, far below
-float32's rounding, and the float32 norm and the clipping coefficient come out the same.
+torch's float32 norm of a tensor cannot be rebuilt from pieces of it (summing the pieces' squares, even in float64,
+gave another last bit on 6 steps of 20), so each norm is taken on a whole gradient: under ddp and zero1 every rank
+holds them; zero2 measures each bucket while it is whole during its reduction (or gathers it back whole for the
+norm); zero3 gathers each unit's back whole, one unit at a time. ``par.clip_grad_norm_`` under every strategy then
+returns what ``torch.nn.utils.clip_grad_norm_`` returns on torch's DDP, and clips to the same gradients, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,34 +16,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-__all__ = ["clip_with_norm", "norm_terms"]
+__all__ = ["clip_coefficient", "scale_grads", "tensor_norm", "total_norm"]
 
 
-def norm_terms(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """sum |g|^p over ``grads`` (p = ``norm_type``; the max of |g| for inf), in float64, as a 0-dim tensor.
+def tensor_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``grad``'s own norm, by the kernel torch's ``clip_grad_norm_`` uses for it (foreach where torch uses foreach).
 
-    float64 makes the total the same whichever way the elements are split: every rank's pieces, or every whole
-    gradient on one device (the two sums differ in float64's last bits, far below float32's rounding).
+    A tensor's norm does not depend on the other tensors in torch's list (each tensor's chunks are reduced on their
+    own), so one gradient at a time gives torch's numbers.
     """
-    if norm_type == float("inf"):
-        values = [g.detach().abs().max().to(device, torch.float64) for g in grads if g.numel()]
-        return torch.stack(values).max() if values else torch.zeros((), dtype=torch.float64, device=device)
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        total += torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64).to(device) ** norm_type
+    grad = grad.detach()
+    if _has_foreach_support([grad], grad.device):
+        found: torch.Tensor = torch._foreach_norm([grad], norm_type)[0]
+    else:
+        found = torch.linalg.vector_norm(grad, norm_type)
+    return found
+
+
+def total_norm(norms: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """torch's total of the gradients' norms: grouped by device and dtype as torch groups the gradients, stacked."""
+    if not norms:
+        return torch.tensor(0.0)
+    first = norms[0].device
+    grouped = _group_tensors_by_device_and_dtype([list(norms)])  # each norm has its gradient's device and dtype
+    ordered = [n.to(first) for ([group], _) in grouped.values() for n in group if n is not None]
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(ordered), norm_type)
     return total
 
 
-def clip_with_norm(
-    total: torch.Tensor, grads: Sequence[torch.Tensor], max_norm: float, norm_type: float, dtype: torch.dtype
-) -> torch.Tensor:
-    """Scale ``grads`` so the norm whose terms summed to ``total`` is at most ``max_norm``; the norm, as torch's.
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's factor on every gradient: ``max_norm / (norm + 1e-6)``, at most 1."""
+    return torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
 
-    The coefficient is torch's ``clip_grad_norm_`` arithmetic on the float32 norm: the same everywhere the norm is.
-    """
-    norm = (total if norm_type == float("inf") else total ** (1.0 / norm_type)).to(dtype)
-    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+def scale_grads(grads: Sequence[torch.Tensor], coefficient: torch.Tensor) -> None:
+    """Multiply ``grads`` by ``coefficient`` in place (elementwise: the same numbers for a whole tensor or a piece)."""
+    on: dict[torch.device, torch.Tensor] = {}
     for g in grads:
-        g.mul_(coefficient.to(g.device))
-    return norm
+        factor = on.get(g.device)
+        if factor is None:
+            factor = on[g.device] = coefficient.to(g.device)
+        g.mul_(factor)

@@ -46,6 +46,7 @@ from paratrain.comm.process_groups import no_python_in_work
 from paratrain.ddp.bucket_collective import BucketCollective
 from paratrain.ddp.buckets import Bucket
 from paratrain.errors import DistributedError
+from paratrain.sharded.grad_norm import tensor_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.partition import BucketShards, shard_bucket
 
@@ -108,6 +109,12 @@ class ReduceScatter(BucketCollective):
         # between a synchronised backward and the next forward, a reduced parameter's .grad is a placeholder
         # whose use raises, naming par.clip_grad_norm_ (torch's own clip would otherwise read None: 0.0)
         self.guard = GradientGuard("zero2")
+        # each parameter's whole-gradient norm, torch's number (par.clip_grad_norm_): from the first clip on, measured
+        # while its bucket is whole (all-reduced in place), else gathered back for it; valid while the bucket's part
+        # is unchanged since (its version counter: an unscale or a clip changes it)
+        self.norm_type: float | None = None
+        self._norms: dict[int, torch.Tensor] = {}
+        self._measured: dict[int, int] = {}  # bucket -> its part's version when its norms were measured
 
     # -- buffers that come and go -----------------------------------------------------------------------------
 
@@ -151,6 +158,7 @@ class ReduceScatter(BucketCollective):
 
     def prepare(self, sync: bool) -> None:
         self.guard.disarm(self.params)  # autograd may add to .grad again
+        self._forget_norms()
         # what a backward that failed half-way left behind (the next forward starts clean)
         for b in list(self._unfinished):
             self._release(b, finished=False)  # its collective may still read the buffer: only dropped
@@ -161,6 +169,7 @@ class ReduceScatter(BucketCollective):
 
     def backward_started(self) -> None:
         self.guard.disarm(self.params)
+        self._forget_norms()
         if self.held:
             self._restore()  # before autograd adds this backward's gradients (but the first, added to)
 
@@ -213,7 +222,54 @@ class ReduceScatter(BucketCollective):
         if self.in_place:
             part = self.shards[b].part
             self.grads[b].copy_(self.buffers[b].narrow(0, self.rank * part, part))
+            if self.norm_type is not None:
+                self._measure(b, self.buffers[b], self.norm_type)
         self._release(b, finished=True)
+
+    # -- each parameter's whole-gradient norm ---------------------------------------------------------------------
+
+    def _measure(self, b: int, whole: torch.Tensor, norm_type: float) -> None:
+        """The norms of bucket ``b``'s parameters, from ``whole`` (the bucket's summed gradients, every rank's part)."""
+        bucket = self.buckets[b]
+        for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+            p = self.params[i]
+            self._norms[i] = tensor_norm(whole.narrow(0, offset, p.numel()).view_as(p), norm_type)
+        self._measured[b] = self.grads[b]._version
+
+    def _forget_norms(self) -> None:
+        self._norms, self._measured = {}, {}
+
+    def whole_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
+        """Every reduced parameter's whole-gradient norm, torch's number for its ``.grad`` under DDP (a collective).
+
+        Measured during backward where buckets are all-reduced whole (CPU, gloo) once a norm was asked for; else,
+        and for the first step, each bucket is gathered back whole, one at a time, and measured.
+        """
+        wanted = [b for b, bucket in enumerate(self.buckets) if any(self.reduced[i] for i in bucket.indices)]
+        fresh = (
+            self.in_place
+            and norm_type == self.norm_type
+            and all(self._measured.get(b) == self.grads[b]._version for b in wanted)
+        )
+        if self.in_place:  # every rank measures, or every rank gathers
+            flag = torch.tensor([int(fresh)], dtype=torch.int32)
+            seq = self.monitor.launched()
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            self.monitor.wait(work, seq, "all-reduce of whether the gradient norms were measured")
+            fresh = bool(flag.item())
+        if not fresh:
+            self._forget_norms()
+            for b in wanted:
+                bucket = self.buckets[b]
+                whole = torch.empty(self.shards[b].padded, dtype=bucket.dtype, device=bucket.device)
+                seq = self.monitor.launched()
+                with no_python_in_work():
+                    work = all_gather_into(whole, self.grads[b], self.group)
+                self.monitor.wait(work, seq, f"all-gather of bucket {b}'s gradients for their norm")
+                self._measure(b, whole, norm_type)
+                del whole
+        self.norm_type = norm_type  # measured as each bucket is reduced from the next backward on
+        return {i: n for i, n in self._norms.items() if self.reduced[i]}
 
     def write_back(self, used: list[int] | None) -> None:
         # every bucket was waited for and given back (done): no rank holds a whole gradient afterwards
@@ -227,6 +283,7 @@ class ReduceScatter(BucketCollective):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this rank's gradients: gone (``set_to_none``), or zeros that the next backward adds to."""
         self.held = False
+        self._forget_norms()
         if set_to_none:
             self.reduced = [False] * len(self.params)
             return

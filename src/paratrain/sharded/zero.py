@@ -35,7 +35,7 @@ from paratrain.comm.process_groups import no_python_in_work
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
-from paratrain.sharded.grad_norm import norm_terms
+from paratrain.sharded.grad_norm import clip_coefficient, scale_grads, tensor_norm, total_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
 from paratrain.sharded.partition import BucketShards, shard_bucket
@@ -195,10 +195,33 @@ class ZeroDataParallel(DistributedDataParallel):
 
     # -- global views ----------------------------------------------------------------------------------------
 
-    def shard_norm_terms(self, pieces: Sequence[OwnedPiece], norm_type: float) -> torch.Tensor:
-        """This rank's part of the global gradient norm: sum of |g|^p over its pieces (max for inf), float64."""
-        terms = [g for piece in pieces if (g := self.piece_grad(piece)) is not None]
-        return norm_terms(terms, norm_type, self._control_device())
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` on the module's parameters under DDP: the same norm, the same clipped gradients.
+
+        zero1 holds the whole gradients on every rank: torch's function itself. zero2 takes each parameter's
+        whole-gradient norm (measured while its bucket was whole, :meth:`ReduceScatter.whole_norms`), torch's total
+        of them, and scales this rank's pieces by torch's coefficient. A collective under zero2: every rank calls it.
+        """
+        scatter = self._scatter
+        if scatter is None:
+            with_grads = [p for p in self.module.parameters() if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(with_grads, max_norm, norm_type)
+        whole = scatter.whole_norms(float(norm_type))
+        norms: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for p in self.module.parameters():  # torch's order: the norms are stacked in it
+            index = self._index.get(id(p))
+            if index is not None:
+                if index in whole:
+                    norms.append(whole[index])
+            elif p.grad is not None:  # not reduced (ignored by DDP): its local gradient, as under DDP
+                norms.append(tensor_norm(p.grad, float(norm_type)))
+                grads.append(p.grad)
+        grads += [g for piece in self.owned_pieces() if (g := self.piece_grad(piece)) is not None]
+        norm = total_norm(norms, float(norm_type))
+        with torch.no_grad():
+            scale_grads(grads, clip_coefficient(norm, max_norm))
+        return norm
 
     def full_gradients(self) -> list[torch.Tensor | None]:
         """Every bucketed parameter's whole reduced gradient (a collective: every rank calls it), in reducer order.

@@ -26,7 +26,6 @@ from paratrain.diagnostics.flight_recorder import small_buffer_unless_set
 from paratrain.dp.scatter_gather import shard
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import ConfigError
-from paratrain.sharded.grad_norm import clip_with_norm, norm_terms
 from paratrain.strategies.base import ReduceOp, Strategy
 
 __all__ = ["DDP_DEVICES", "DistributedStrategy"]
@@ -235,14 +234,6 @@ class DistributedStrategy(Strategy):
 
     def shard(self, indices: torch.Tensor) -> torch.Tensor:
         return shard(indices, self.rank, self.world_size)
-
-    def clip_grad_norm_(self, module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the synchronised gradient; its norm summed in float64, so the sharded strategies' norm, summed from
-        every rank's pieces, is the same float32 number."""
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        terms = norm_terms(grads, float(norm_type), self._device)
-        dtype = grads[0].dtype if grads else torch.float32
-        return clip_with_norm(terms, grads, max_norm, float(norm_type), dtype)
 
     def loss_weight(self, local_samples: int, global_samples: int) -> float:
         # DDP divides the summed gradients by world_size; each rank's mean loss must count as its share

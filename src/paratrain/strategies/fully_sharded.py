@@ -142,10 +142,6 @@ class Zero3Strategy(ShardedStrategy):
     def trained(wrapper: FullyShardedDataParallel) -> list[torch.Tensor]:
         return list(wrapper.params)
 
-    @staticmethod
-    def shard_dtype(wrapper: FullyShardedDataParallel) -> torch.dtype:
-        return wrapper.units[0].dtype if wrapper.units else torch.float32
-
     def wrapper_of(self, model: nn.Module, what: str) -> FullyShardedDataParallel:
         found: FullyShardedDataParallel = super().wrapper_of(model, what)
         return found

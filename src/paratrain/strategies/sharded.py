@@ -6,7 +6,7 @@
 Each keeps the wrappers it put around models (:meth:`ShardedStrategy.wrappers`) and says which parameters a
 wrapper trains and in which dtype its shards are; from those, one optimizer per model is sharded in place (the
 user's object, so a scheduler built before ``prepare`` keeps driving it), saved and loaded slice by slice, and the
-global gradient's norm is summed from every rank's pieces.
+global gradient is clipped as torch clips it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain.checkpoint.sharded import materialize
 from paratrain.errors import ConfigError
-from paratrain.sharded.grad_norm import clip_with_norm
 from paratrain.sharded.optimizer import ShardedOptimizer, shard_optimizer
 from paratrain.strategies.ddp import DistributedStrategy
 
@@ -39,11 +37,6 @@ class ShardedStrategy(DistributedStrategy):
     @staticmethod
     def trained(wrapper: Any) -> Sequence[torch.Tensor]:
         """The parameters ``wrapper`` shards and trains."""
-        raise NotImplementedError
-
-    @staticmethod
-    def shard_dtype(wrapper: Any) -> torch.dtype:
-        """The dtype of ``wrapper``'s shards (the clipped norm's)."""
         raise NotImplementedError
 
     def wrapper_of(self, model: nn.Module, what: str) -> Any:
@@ -79,11 +72,8 @@ class ShardedStrategy(DistributedStrategy):
         optimizer.load_state_dict(materialize(state))
 
     def clip_grad_norm_(self, module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient; its norm is summed from every rank's pieces (in float64, as ddp's is)."""
+        """torch's ``clip_grad_norm_`` under DDP, bit for bit: the wrapper's (each parameter's norm from its whole
+        gradient, torch's total and coefficient, this rank's pieces scaled)."""
         wrapper = self.wrapper_of(module, "clip_grad_norm_()")
-        pieces = wrapper.owned_pieces()
-        terms = wrapper.shard_norm_terms(pieces, float(norm_type))
-        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        self._run("all_reduce of the gradient norm", lambda: dist.all_reduce(terms, op=op, async_op=True))
-        grads = [g for piece in pieces if (g := wrapper.piece_grad(piece)) is not None]
-        return clip_with_norm(terms.to(self._device), grads, max_norm, float(norm_type), self.shard_dtype(wrapper))
+        norm: torch.Tensor = wrapper.clip_grad_norm_(max_norm, norm_type)
+        return norm

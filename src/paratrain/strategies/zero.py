@@ -46,10 +46,6 @@ class ZeroStrategy(ShardedStrategy):
     def trained(wrapper: ZeroDataParallel) -> list[torch.nn.Parameter]:
         return list(wrapper.reducer.params)
 
-    @staticmethod
-    def shard_dtype(wrapper: ZeroDataParallel) -> torch.dtype:
-        return wrapper.flat[0].dtype if wrapper.flat else torch.float32
-
     def wrapper_of(self, model: nn.Module, what: str) -> ZeroDataParallel:
         found: ZeroDataParallel = super().wrapper_of(model, what)
         return found
