@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    SequentialSampler,
+    Subset,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 from torch.utils.data._utils.collate import default_collate
 
 import paratrain
@@ -18,12 +27,29 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(N, 3, 4, generator=g), torch.randint(0, 5, (N,), generator=g), torch.arange(N))
 
 
+class _Reversed(BatchSampler):
+    """A batch sampler of its own: its batches are not chunks of the sampler's order (batched the slow way)."""
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            yield batch[::-1]
+
+
 LOADERS = {
     "shuffled, global RNG": lambda d: DataLoader(d, batch_size=8, shuffle=True),
     "shuffled, own generator": lambda d: DataLoader(
         d, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(3)
     ),
     "in order, drop_last": lambda d: DataLoader(d, batch_size=10, drop_last=True),
+    "shuffled, drop_last, uneven": lambda d: DataLoader(d, batch_size=7, shuffle=True, drop_last=True),
+    "shuffled, a last short batch": lambda d: DataLoader(d, batch_size=7, shuffle=True),
+    "random with replacement": lambda d: DataLoader(
+        d, batch_size=6, sampler=RandomSampler(d, replacement=True, num_samples=250)
+    ),
+    "random, fewer samples than the data": lambda d: DataLoader(
+        d, batch_size=9, sampler=RandomSampler(d, num_samples=40)
+    ),
+    "a BatchSampler subclass": lambda d: DataLoader(d, batch_sampler=_Reversed(SequentialSampler(d), 8, False)),
     "weighted sampler": lambda d: DataLoader(d, batch_size=7, sampler=WeightedRandomSampler(torch.ones(N), 50)),
     "a Subset of a Subset": lambda d: DataLoader(
         Subset(Subset(d, list(range(5, 95))), list(range(80, 0, -2))), batch_size=6, shuffle=True
