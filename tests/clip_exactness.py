@@ -10,6 +10,7 @@ another way (float64 terms, or each rank's pieces) differs from torch's in float
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import paratrain
+from paratrain.environment import ClusterEnvironment
+from paratrain.strategies.ddp import _init_process_group
 
 STEPS = 20
 MAX_NORM = 0.05  # below every step's norm: every step clips
@@ -70,7 +73,10 @@ def against_torch(rank: int) -> dict[str, Any]:
     base = model()
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("gloo")
+        # as Parallel initialises its groups: the Parallels before this one in the process destroyed theirs, and
+        # torch's default keys in the launcher's store are theirs (a plain init_process_group may read a stale
+        # address and wait forever, as it did here)
+        _init_process_group(ClusterEnvironment.detect(), "gloo", timedelta(seconds=120))
     try:
         reference_norms, reference = _torch_ddp(base, rank)
     finally:
