@@ -47,7 +47,7 @@ from paratrain.comm.process_groups import no_python_in_work, to_seconds
 from paratrain.ddp.setup import agree_at_start_up
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.flat_unit import ShardedUnit
-from paratrain.sharded.grad_norm import clip_coefficient, scale_grads, tensor_norm, total_norm
+from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.meta_init import check_same_everywhere, materialize_units
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
@@ -446,10 +446,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             del whole
         norms = [found[id(p)] for p in self.module.parameters() if id(p) in found]  # torch's order
         grads = [g for piece in self.owned_pieces() if (g := self.piece_grad(piece)) is not None]
-        norm = total_norm(norms, norm_type)
-        with torch.no_grad():
-            scale_grads(grads, clip_coefficient(norm, max_norm))
-        return norm
+        return clip_to(norms, grads, max_norm, norm_type)
 
     def _all_gather(self, unit: ShardedUnit, part: torch.Tensor, what: str) -> torch.Tensor:
         whole = torch.empty(unit.layout.padded, dtype=unit.dtype, device=unit.device)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-__all__ = ["clip_coefficient", "scale_grads", "tensor_norm", "total_norm"]
+__all__ = ["clip_coefficient", "clip_to", "scale_grads", "tensor_norm", "total_norm"]
 
 
 def tensor_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -59,3 +59,13 @@ def scale_grads(grads: Sequence[torch.Tensor], coefficient: torch.Tensor) -> Non
         if factor is None:
             factor = on[g.device] = coefficient.to(g.device)
         g.mul_(factor)
+
+
+def clip_to(
+    norms: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], max_norm: float, norm_type: float
+) -> torch.Tensor:
+    """torch's total of the whole gradients' ``norms``, and ``grads`` (any pieces of them) scaled by its coefficient."""
+    norm = total_norm(norms, norm_type)
+    with torch.no_grad():
+        scale_grads(grads, clip_coefficient(norm, max_norm))
+    return norm

@@ -35,7 +35,7 @@ from paratrain.comm.process_groups import no_python_in_work
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
-from paratrain.sharded.grad_norm import clip_coefficient, scale_grads, tensor_norm, total_norm
+from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
 from paratrain.sharded.partition import BucketShards, shard_bucket
@@ -218,10 +218,7 @@ class ZeroDataParallel(DistributedDataParallel):
                 norms.append(tensor_norm(p.grad, float(norm_type)))
                 grads.append(p.grad)
         grads += [g for piece in self.owned_pieces() if (g := self.piece_grad(piece)) is not None]
-        norm = total_norm(norms, float(norm_type))
-        with torch.no_grad():
-            scale_grads(grads, clip_coefficient(norm, max_norm))
-        return norm
+        return clip_to(norms, grads, max_norm, float(norm_type))
 
     def full_gradients(self) -> list[torch.Tensor | None]:
         """Every bucketed parameter's whole reduced gradient (a collective: every rank calls it), in reducer order.
