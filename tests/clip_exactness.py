@@ -24,7 +24,7 @@ from paratrain.strategies.ddp import _init_process_group
 
 STEPS = 20
 MAX_NORM = 0.05  # below every step's norm: every step clips
-STRATEGIES = ("ddp", "zero1", "zero2")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
 
 def model() -> nn.Module:
@@ -38,7 +38,8 @@ def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    """The weights from ``state_dict()``: whole under every strategy (zero3 gathers them; every rank calls it)."""
+    return torch.cat([t.detach().reshape(-1) for t in module.state_dict().values()])
 
 
 def _torch_ddp(base: nn.Module, rank: int) -> tuple[list[float], torch.Tensor]:

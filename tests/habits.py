@@ -3,9 +3,10 @@
 Each habit is a short training run through ``Parallel`` that ends with the model's weights (after any EMA or
 reload the habit does) as one flat tensor, or raises the error the strategy gives for a line it cannot honour. The
 cells are run in-process for ``single`` and ``dp`` (tests/test_habits.py) and in one torchrun launch of two ranks
-for ``ddp``, ``zero1`` and ``zero2`` (tests/scripts/habit_matrix.py). :data:`EXPECTED` says for every cell
-whether it trains the same model as the reference (one device for single and dp; ddp for zero1 and zero2) or is
-refused, and with which words; :func:`table` is the user-facing table in docs/sharding.md.
+for ``ddp``, ``zero1``, ``zero2`` and ``zero3`` (tests/scripts/habit_matrix.py). :data:`EXPECTED` says for every
+cell whether it trains the same model as the reference (one device for single and dp; ddp for the zero stages) or
+is refused, and with which words; :func:`table` is the user-facing table in docs/sharding.md. The weights are read
+through ``state_dict()`` (under zero3 a collective that gathers them: every rank reads them).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from torch.nn import functional as F
 
 import paratrain
 
-STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2")
-PROCESS_STRATEGIES = ("ddp", "zero1", "zero2")
+STRATEGIES = ("single", "dp", "ddp", "zero1", "zero2", "zero3")
+PROCESS_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 STEPS = 3
 GLOBAL_BATCH = 8
 SAME = "same"
@@ -61,7 +62,9 @@ def data(tokens: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).cpu() for p in module.parameters()])
+    """The parameters, in order, from ``state_dict()`` (whole under every strategy; zero3 gathers them)."""
+    state = module.state_dict()
+    return torch.cat([state[name].detach().reshape(-1).cpu() for name, _ in module.named_parameters()])
 
 
 Step = Callable[[paratrain.Parallel, nn.Module, torch.optim.Optimizer], None]
@@ -193,10 +196,11 @@ def two_backwards_per_step(par: paratrain.Parallel) -> torch.Tensor:
 
 
 def weight_ema(par: paratrain.Parallel) -> torch.Tensor:
+    """timm's ModelEmaV2: the EMA of every entry of the model's ``state_dict()`` after each step."""
     ema: list[torch.Tensor] = []
 
     def update(par: paratrain.Parallel, model: nn.Module, step: int) -> None:
-        weights = [p.detach().clone() for p in par.unwrap(model).parameters()]  # timm's ModelEmaV2 reads these
+        weights = [t.detach().clone() for t in par.unwrap(model).state_dict().values()]
         if not ema:
             ema.extend(weights)
         else:
@@ -241,12 +245,20 @@ def load_plain_checkpoint_first(par: paratrain.Parallel) -> torch.Tensor:
 
 
 def eval_on_main_only(par: paratrain.Parallel) -> torch.Tensor:
+    refused: list[paratrain.ConfigError] = []
+
     def evaluate(par: paratrain.Parallel, model: nn.Module, step: int) -> None:
         if par.is_main:
-            with torch.no_grad():
-                model(torch.ones(3, 6))
+            try:
+                with torch.no_grad():
+                    model(torch.ones(3, 6))
+            except paratrain.ConfigError as exc:  # zero3: refused on rank 0; it trains on, so the others finish
+                refused.append(exc)
 
-    return _loop(par, after_step=evaluate)
+    weights = _loop(par, after_step=evaluate)
+    if refused:
+        raise refused[0]
+    return weights
 
 
 def tied_weights(par: paratrain.Parallel) -> torch.Tensor:
@@ -320,16 +332,20 @@ HABITS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 _CLIP = "par.clip_grad_norm_"
-_SHARDED_GRAD = "under zero2 no rank holds a parameter's whole gradient"
+_SHARDED_GRAD = "no rank holds a parameter's whole gradient"
 _PREPARE_TWICE = "a second time (the object itself, or what prepare() returned for it)"
 _PLAIN_BACKWARD = "Replace loss.backward() with par.backward(loss)"
 _EVERY_RANK = "every rank must call it at the same point"
 
 
-def _cells(zero2: str = SAME, zero1: str = SAME, everywhere: str = SAME) -> dict[str, str]:
+_ONE_RANK_FORWARD = "a forward under torch.no_grad() that not every rank runs"
+
+
+def _cells(zero2: str = SAME, zero1: str = SAME, zero3: str | None = None, everywhere: str = SAME) -> dict[str, str]:
+    """The expected cells: ``zero3`` as ``zero2`` unless given."""
     cells = dict.fromkeys(STRATEGIES, everywhere)
     if everywhere == SAME:
-        cells["zero1"], cells["zero2"] = zero1, zero2
+        cells["zero1"], cells["zero2"], cells["zero3"] = zero1, zero2, zero2 if zero3 is None else zero3
     return cells
 
 
@@ -341,6 +357,8 @@ for _name, _fn in HABITS.items():
         EXPECTED[_name] = _cells(zero2=_SHARDED_GRAD)
     elif _fn is save_on_main_only:
         EXPECTED[_name] = _cells(zero1=_EVERY_RANK, zero2=_EVERY_RANK)
+    elif _fn is eval_on_main_only:
+        EXPECTED[_name] = _cells(zero3=_ONE_RANK_FORWARD)
     elif _fn is prepare_twice:
         EXPECTED[_name] = _cells(everywhere=_PREPARE_TWICE)
     elif _fn is plain_loss_backward:
@@ -349,6 +367,7 @@ for _name, _fn in HABITS.items():
 WHY = {  # the fix each refusal names, for the docs' table
     _SHARDED_GRAD: f"refused: gradients are sharded; `{_CLIP}(model, max_norm)`, or a prepared optimizer",
     _EVERY_RANK: "refused at once: every rank writes its slices; call `par.save` on every rank",
+    _ONE_RANK_FORWARD: "refused at once on rank 0: every rank runs every forward; evaluate on every rank",
     _PREPARE_TWICE: "refused: pass each object to `prepare` once",
     _PLAIN_BACKWARD: "refused at the next step: use `par.backward(loss)`",
 }

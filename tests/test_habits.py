@@ -73,18 +73,18 @@ def test_single_and_dp(one_process, name):
 
 @pytest.mark.processes
 @pytest.mark.parametrize("name", list(habits.HABITS))
-def test_ddp_zero1_zero2_in_one_launch(one_process, launched, name):
-    """ddp against one device (fp32 summation order), zero1 and zero2 against ddp bit for bit (2 ranks), on both
-    ranks; a refusal on the rank that makes the call (rank 0 for a main-only save)."""
+def test_ddp_and_the_zero_stages_in_one_launch(one_process, launched, name):
+    """ddp against one device (fp32 summation order), zero1, zero2 and zero3 against ddp bit for bit (2 ranks), on
+    both ranks; a refusal on the rank that makes the call (rank 0 for a main-only save or evaluation)."""
     expected = habits.EXPECTED[name]
     single = one_process[name]["single"]
     reference = torch.tensor(single["weights"]) if "weights" in single else None
     for rank, found in enumerate(launched):
         cells = found[name]
-        main_only = habits.HABITS[name] is habits.save_on_main_only
+        main_only = habits.HABITS[name] in (habits.save_on_main_only, habits.eval_on_main_only)
         _check(cells["ddp"], expected["ddp"], f"rank {rank} ddp", reference, exact=False)
         ddp = torch.tensor(cells["ddp"]["weights"]) if "weights" in cells["ddp"] else None
-        for strategy in ("zero1", "zero2"):
+        for strategy in ("zero1", "zero2", "zero3"):
             want = expected[strategy] if rank == 0 or not main_only else habits.SAME
             _check(cells[strategy], want, f"rank {rank} {strategy}", ddp, exact=True)
 

@@ -1,5 +1,5 @@
-"""Every habit of tests/habits.py under ddp, zero1 and zero2, one Parallel per cell, in one launch; each rank writes
-what each cell gave to OUT/rank-R.json, and par.clip_grad_norm_ against torch's clip on torch's DDP
+"""Every habit of tests/habits.py under ddp, zero1, zero2 and zero3, one Parallel per cell, in one launch; each rank
+writes what each cell gave to OUT/rank-R.json, and par.clip_grad_norm_ against torch's clip on torch's DDP
 (tests/clip_exactness.py) to OUT/clip-rank-R.json.
 
     torchrun --standalone --nproc-per-node 2 habit_matrix.py OUT

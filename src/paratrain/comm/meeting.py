@@ -23,7 +23,8 @@ from paratrain.errors import CollectiveError, ConfigError
 
 __all__ = ["Meeting"]
 
-POLL_S = 0.05  # how often the store is asked whether the others came
+POLL_S = 0.05  # how often the store is asked whether the others came, at most: the first asks come sooner
+FIRST_POLL_S = 0.0005  # (ranks that arrive together, as at every evaluation forward under zero3, wait little)
 GONE_EVERY_S = 0.5  # how often the board is read for ranks that went on
 
 
@@ -100,6 +101,7 @@ class Meeting:
         posted: dict[int, str] = {}
         started = time.monotonic()
         looked = started
+        pause = FIRST_POLL_S
         while missing:
             for r in list(missing):
                 key = self._key(point, r)
@@ -119,5 +121,6 @@ class Meeting:
                     f"rank {self.rank} waited {self.timeout:g} s for rank(s) {', '.join(map(str, missing))} at "
                     f"{what}, which neither came nor launched a collective since (stopped, or dead?)"
                 )
-            time.sleep(POLL_S)
+            time.sleep(pause)
+            pause = min(POLL_S, pause * 2)
         return posted

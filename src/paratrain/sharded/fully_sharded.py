@@ -156,6 +156,9 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         self.guard = GradientGuard("zero3")
         self._sharded_state = False  # state_dict() as stored: the parameters left as they rest (checkpoints)
         self._handles: list[RemovableHandle] = []
+        # called before a forward under no_grad gathers anything (Zero3Strategy: every rank meets, so a forward on
+        # one rank only, an evaluation under `if rank == 0`, is refused at once instead of hanging in its all-gather)
+        self.before_no_grad_forward: Callable[[], object] | None = None
         self._install()
 
     # -- set-up -----------------------------------------------------------------------------------------------
@@ -220,6 +223,8 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def _start_forward(self) -> None:
         """The root's forward begins: buffers from rank 0 (DDP's rule), and a training forward's backward state."""
         grad = torch.is_grad_enabled()
+        if not grad and self.world_size > 1 and self.before_no_grad_forward is not None:
+            self.before_no_grad_forward()  # before any collective: a refusal leaves nothing half-done
         sync = grad and self.require_backward_grad_sync
         if self.forward_sync_buffers and self.require_forward_param_sync:
             buffers = list(self.module.buffers())

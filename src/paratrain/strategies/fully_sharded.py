@@ -35,6 +35,17 @@ from paratrain.strategies.sharded import ShardedStrategy
 __all__ = ["Zero3Strategy"]
 
 
+def _forward_everywhere(gone: dict[int, str]) -> str:
+    """The refusal of a forward under no_grad that other ranks did not run (an evaluation on rank 0 only)."""
+    went_on = "; ".join(f"rank {rank} {how}" for rank, how in sorted(gone.items()))
+    return (
+        f"a forward under torch.no_grad() that not every rank runs ({went_on} instead): under zero3 each unit's "
+        "weights are gathered from every rank for every forward, so an evaluation on one rank only would wait "
+        "for the others forever. Evaluate on every rank (as nanoGPT's estimate_loss does), or take "
+        "model.state_dict() on every rank and evaluate a plain copy of the model on the main process"
+    )
+
+
 class Zero3Strategy(ShardedStrategy):
     """Fully sharded data parallel across processes (module docstring).
 
@@ -113,6 +124,12 @@ class Zero3Strategy(ShardedStrategy):
             timeout=self._timeout,
             hang_report=self._hang_report,
         )
+        meeting = self.meeting
+        if meeting is not None:
+            ranks = range(self.world_size)
+            wrapped.before_no_grad_forward = lambda: meeting.attend(
+                "zero3-no-grad-forward", ranks, "a forward under torch.no_grad()", _forward_everywhere
+            )
         self._sharded.append(wrapped)
         return wrapped
 
