@@ -46,7 +46,7 @@ def main() -> int:
         ("env", [py, "-m", "paratrain", "env"], 60),
         (
             "cuda tests",
-            [py, "-m", "pytest", "-q", "-x", "tests/test_cuda.py", "tests/test_checkpoint.py", "-k", "cuda"],
+            [py, "-m", "pytest", "-q", "-s", "tests/test_cuda.py", "tests/test_checkpoint.py", "-k", "cuda"],
             300,
         ),
         (
@@ -90,6 +90,23 @@ def main() -> int:
                 "--quiet",
                 "--metrics-out",
                 str(out / "train_ddp_gpu.json"),
+            ],
+            180,
+        ),
+        (
+            "train zero3 on the gpu",
+            [
+                py,
+                "-m",
+                "paratrain",
+                "train",
+                "--strategy",
+                "zero3",
+                "--nproc-per-node",
+                "1",
+                "--quiet",
+                "--metrics-out",
+                str(out / "train_zero3_gpu.json"),
             ],
             180,
         ),

@@ -186,3 +186,40 @@ def test_cuda_log_line_says_allocated_and_reserved_memory_and_mfu_where_the_peak
     known = peak_flops(torch.device("cuda:0"), "bf16-mixed") is not None
     assert all(("| mfu " in line) == known for line in logged)  # MFU only where the GPU's peak is known
     assert ("train/mfu" in entry) == known and entry["train/flops_per_s"] > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cuda_zero_stages_on_one_nccl_rank_train_like_the_plain_model(one_rank_nccl, stage):
+    """zero1, zero2 and zero3 on the GPU over NCCL (the watchdog path: the host does not wait), with AdamW and
+    clipping: the same weights as the plain model (one rank: every shard is the whole); the peak allocated is
+    printed for the device check's log."""
+    from paratrain.sharded.fully_sharded import FullyShardedDataParallel
+    from paratrain.sharded.optimizer import shard_optimizer
+    from paratrain.sharded.zero import ZeroDataParallel
+
+    torch.manual_seed(0)
+    plain = SimpleNet().cuda()
+    net = copy.deepcopy(plain)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    wrapped = FullyShardedDataParallel(net, min_params=1) if stage == 3 else ZeroDataParallel(net, stage=stage)
+    opt = shard_optimizer(torch.optim.AdamW(net.parameters(), lr=1e-3), wrapped)
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(16, 784, generator=g).cuda(), torch.randint(0, 10, (16,), generator=g).cuda()
+        F.cross_entropy(plain(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+        opt_plain.step()
+        opt_plain.zero_grad()
+        F.cross_entropy(wrapped(x), y).backward()
+        wrapped.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    state = wrapped.module.state_dict()
+    for name, p in plain.named_parameters():
+        assert torch.allclose(state[name], p.detach(), atol=1e-6), name
+    peak = torch.cuda.max_memory_allocated()
+    print(f"zero{stage} on one GPU: peak {peak / 2**20:.1f} MiB")
+    wrapped.close()
