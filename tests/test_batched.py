@@ -17,7 +17,7 @@ from torch.utils.data import (
 from torch.utils.data._utils.collate import default_collate
 
 import paratrain
-from paratrain.loop.batched import batched_view, why_not_batched
+from paratrain.loop.batched import _drawn_order, batched_view, why_not_batched
 
 N = 103  # not a multiple of the batch: the last batch is short
 
@@ -174,3 +174,39 @@ def test_describe_names_each_loaders_path():
         text = par.describe(loaders=True)
         assert par.describe() == "single on cpu"
         assert f"loader 1: {fast.path}" in text and f"loader 2: {slow.path}" in text
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: SequentialSampler(d),
+        lambda d: RandomSampler(d),
+        lambda d: RandomSampler(d, generator=torch.Generator().manual_seed(5)),
+        lambda d: RandomSampler(d, num_samples=40),
+        lambda d: RandomSampler(d, num_samples=2 * N + 17),
+        lambda d: RandomSampler(d, num_samples=2 * N),
+    ],
+    ids=["sequential", "random", "own generator", "fewer samples", "more samples", "two passes"],
+)
+def test_the_order_drawn_in_tensors_is_the_samplers_with_the_same_draws(make):
+    """The fast path's order: the sampler's own iteration, drawn from the same generators (their states after it
+    equal too), over three epochs."""
+    data = _data()
+    mine, theirs = make(data), make(data)
+    for epoch in range(3):
+        torch.manual_seed(40 + epoch)
+        want = list(theirs)
+        rng_after = torch.get_rng_state()
+        torch.manual_seed(40 + epoch)
+        got = _drawn_order(mine)
+        assert got is not None and got.tolist() == want, epoch
+        assert torch.equal(torch.get_rng_state(), rng_after)
+        if getattr(mine, "generator", None) is not None:
+            assert torch.equal(mine.generator.get_state(), theirs.generator.get_state())
+
+
+def test_other_samplers_have_no_order_drawn_in_tensors():
+    data = _data()
+    assert _drawn_order(RandomSampler(data, replacement=True)) is None
+    assert _drawn_order(WeightedRandomSampler(torch.ones(N), 50)) is None
+    assert _drawn_order(_Reversed(SequentialSampler(data), 8, False)) is None

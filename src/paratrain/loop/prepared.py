@@ -120,6 +120,13 @@ class Recording:
         self.fraction = fraction
         self.order = self.ledger.tick()
 
+    def record_tensors(self, batch: list[torch.Tensor], share: BatchShare) -> None:
+        """:meth:`record` of a batch that is a list of tensors (an indexed loader's), a whole share."""
+        self._tensors = [weakref.ref(t) for t in batch]
+        self.share = share
+        self.fraction = 1.0
+        self.order = self.ledger.tick()
+
     def clear(self) -> None:
         """Forget the latest batch (it is no candidate for the next forward any more)."""
         self.share, self.fraction, self.order, self._tensors = None, 1.0, 0, []
@@ -255,13 +262,22 @@ class PreparedIndexedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         start, self._start = self._start, 0
-        strategy, loader, record = self.strategy, self.loader, self.recording.record
+        strategy, loader = self.strategy, self.loader
+        record, record_tensors = self.recording.record, self.recording.record_tensors
         indices_of = (lambda: loader.batch_indices(start)) if self._lend_rng else None
         batches = _in_step(strategy, indices_of) if indices_of is not None else loader.batch_indices(start)
+        shares: dict[tuple[int, int], BatchShare] = {}  # the few sizes an epoch has, made once
         for indices in batches:
             mine = strategy.shard(indices)
             batch = loader.take(mine)
-            record(batch, BatchShare(int(mine.numel()), int(indices.numel())))
+            sizes = (mine.numel(), indices.numel())
+            share = shares.get(sizes)
+            if share is None:
+                share = shares[sizes] = BatchShare(*sizes)
+            if type(batch) is list and all(type(t) is torch.Tensor for t in batch):
+                record_tensors(batch, share)
+            else:
+                record(batch, share)
             yield batch
 
 
