@@ -162,6 +162,9 @@ class _Run:
             config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
         )
         check_fits(model, self.splits.train.inputs[:2], input_shape=self.splits.input_shape, spec=config.model)
+        # the optimizer's parameters by name, in the order of its indices (it is built over model.parameters()):
+        # recorded in every checkpoint, so an export keys the optimizer's state by name (checkpoint export)
+        self.parameter_names = [name for name, _ in model.named_parameters()]
         optimizer = build_optimizer(
             model.parameters(),
             config.optimizer,
@@ -432,6 +435,7 @@ class _Run:
             extra = {
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "precision": self.par.precision.state_dict(),
+                "parameter_names": self.parameter_names,
             }
             save(self.par, self.checkpoints, self.config, self.model, self.optimizer, self.pos, self.record, extra)
             self.checkpoint_seconds += time.perf_counter() - started
