@@ -296,7 +296,7 @@ def test_consolidate_takes_the_checkpoint_as_it_was_saved_or_trained_into(tmp_pa
         "was saved under (a sharded save writes a directory, without .pt): reading it"
     ], err
     assert _equal(torch.load("model.pt", weights_only=True), whole["model"])
-    assert out == "wrote model.pt: the model state dict, 4 tensors, 64 elements\n"  # w 5x7, b 7, v 3x3x2, 4
+    assert out == "wrote model.pt (torch): the model state dict, 4 tensors, 64 elements\n"  # w 5x7, b 7, v 3x3x2, 4
 
     code, out, err = run_main(capsys, "checkpoint", "consolidate", "run", "all.pt", "--all")
     latest = Path("run", "epoch-0000-step-000010")
@@ -308,9 +308,9 @@ def test_consolidate_takes_the_checkpoint_as_it_was_saved_or_trained_into(tmp_pa
     # every tensor, nested ones too: 4 in the model, a step and an exp_avg per parameter, the torch RNG state
     tensors = 4 + 2 * len(SHAPES) + 1
     elements = 64 + len(SHAPES) + sum(torch.Size(s).numel() for s in SHAPES.values()) + 10
-    assert (
-        out
-        == f"wrote all.pt: the training state (model, optimizer, epoch, rng), {tensors} tensors, {elements} elements\n"
+    assert out == (
+        f"wrote all.pt (torch): the training state (model, optimizer, epoch, rng), {tensors} tensors, "
+        f"{elements} elements\n"
     )
 
     # naming nothing is a usage error (2), saying what it takes; a directory of other things names what it holds

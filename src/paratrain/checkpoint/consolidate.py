@@ -1,8 +1,10 @@
-"""A checkpoint as one plain torch file, for export: ``paratrain checkpoint consolidate DIR OUT.pt``.
+"""A checkpoint as one plain file, for export: ``paratrain checkpoint consolidate DIR OUT.pt``.
 
     consolidate("runs/a/epoch-0004-step-000000", "model.pt")              # the model's state dict
     consolidate("runs/a/epoch-0004-step-000000", "all.pt", everything=True) # the whole training state
     model.load_state_dict(torch.load("model.pt", weights_only=True))
+    consolidate("runs/a/epoch-0004-step-000000", "model.safetensors", format="safetensors")
+    model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
 
 It reads any checkpoint paratrain writes (a file, or a sharded checkpoint's directory, whatever wrote it), checks
 every slice's digest on the way, and writes the state a single process would have saved, atomically. Resuming
@@ -16,12 +18,14 @@ saved or trained into (:func:`find_checkpoint`)::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from paratrain.checkpoint.file import latest_checkpoint
+from paratrain.checkpoint.formats import FORMATS, require_safetensors, write_safetensors
 from paratrain.checkpoint.sharded import is_sharded_checkpoint, materialize, read_plain
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.files import atomic_writer, check_output
@@ -70,15 +74,35 @@ def _may_be_one(path: Path) -> bool:
     return is_sharded_checkpoint(path) or (path.suffix == ".pt" and path.is_file())
 
 
-def consolidate(source: str | Path, out: str | Path, *, everything: bool = False) -> dict[str, Any]:
-    """Write ``source``'s model state dict (``everything``: its whole state) to ``out`` with ``torch.save``.
+def consolidate(
+    source: str | Path,
+    out: str | Path,
+    *,
+    everything: bool = False,
+    format: str = "torch",
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Write ``source``'s model state dict (``everything``: its whole state) to ``out``: with ``torch.save``, or
+    (``format="safetensors"``, the model only) as safetensors (:mod:`paratrain.checkpoint.formats`).
 
-    ``source`` is found as :func:`find_checkpoint` finds it. Returns what was written.
+    ``source`` is found as :func:`find_checkpoint` finds it. Returns what was written; ``log`` receives a line for
+    each tensor written as a copy (safetensors: a tied weight's later names, a non-contiguous tensor).
 
     Raises:
-        ConfigError: ``source`` names no checkpoint, or ``out`` cannot be written.
+        ConfigError: ``source`` names no checkpoint, ``out`` cannot be written, an unknown format, safetensors
+            asked for without the package, with ``everything``, or for a state holding other values than tensors.
         CheckpointError: ``source`` is no paratrain checkpoint, is damaged, or has no model.
     """
+    if format not in FORMATS:
+        raise ConfigError(f"unknown format {format!r}; choose one of: {', '.join(FORMATS)}")
+    if format == "safetensors":
+        require_safetensors()
+        if everything:
+            raise ConfigError(
+                "--all with --format safetensors: safetensors stores named tensors only, and the training state "
+                "also holds numbers, settings and nested optimizer state; write the model alone (drop --all), or "
+                "the whole state with --format torch"
+            )
     check_output(out, "OUT")
     source, _ = find_checkpoint(source)
     state = materialize(read_plain(source))
@@ -89,7 +113,12 @@ def consolidate(source: str | Path, out: str | Path, *, everything: bool = False
                 f"--all instead"
             )
         state = state["model"]
-    with atomic_writer(Path(out), "wb", durable=True) as stream:
-        torch.save(state, stream)
+    if format == "safetensors":
+        for note in write_safetensors(state, out):
+            if log is not None:
+                log(note)
+    else:
+        with atomic_writer(Path(out), "wb", durable=True) as stream:
+            torch.save(state, stream)
     written: dict[str, Any] = state
     return written

@@ -9,6 +9,8 @@ paratrain verify                          # does every configuration train like 
 paratrain bench                           # how much faster is each configuration?
 paratrain plan --max-world-size 8         # how much faster will N devices be?
 paratrain checkpoint consolidate DIR OUT.pt   # a (sharded) checkpoint as one plain torch file
+paratrain checkpoint consolidate --format safetensors DIR OUT.safetensors
+paratrain checkpoint export --format dcp DIR OUT   # as torch.distributed.checkpoint's directory
 """
 
 from __future__ import annotations
