@@ -9,7 +9,6 @@ its optimizer's state by parameter name) with exactly the trained values.
 from __future__ import annotations
 
 import importlib.util
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,8 @@ from conftest import run_main
 from paratrain.checkpoint.file import save_checkpoint
 from paratrain.checkpoint.formats import safetensors_tensors
 from paratrain.checkpoint.optimizer_names import optimizer_fqns
-from paratrain.checkpoint.sharded import Alias, LocalSlices, save_sharded
 from paratrain.errors import CheckpointError
+from sharded_states import save_as
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -59,59 +58,10 @@ def _trained(make: type[nn.Module] = Tied, steps: int = 3) -> tuple[nn.Module, t
     return model, optimizer
 
 
-def _ranks_state(whole: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
-    """What rank ``rank`` of ``world`` hands to save_sharded: its share of every model tensor and optimizer moment
-    (contiguous ranges of the flattened tensor), a tied weight's second key an Alias, the rest plain."""
-
-    def sliced(tensor: torch.Tensor) -> LocalSlices:
-        flat = tensor.detach().reshape(-1)
-        bounds = [len(part) for part in flat.tensor_split(world)]
-        start = sum(bounds[:rank])
-        return LocalSlices(tuple(tensor.shape), tensor.dtype, [(start, flat[start : start + bounds[rank]])])
-
-    model: dict[str, Any] = {}
-    first: dict[int, str] = {}
-    for key, tensor in whole["model"].items():
-        if tensor.is_floating_point() and tensor.data_ptr() in first:
-            model[key] = Alias(first[tensor.data_ptr()])
-        elif tensor.is_floating_point() and tensor.dim():
-            first[tensor.data_ptr()] = key
-            model[key] = sliced(tensor)
-        else:
-            model[key] = tensor
-    state = {
-        index: {k: sliced(v) if k != "step" else v for k, v in entry.items()}
-        for index, entry in whole["optimizer"]["state"].items()
-    }
-    return {**whole, "model": model, "optimizer": {**whole["optimizer"], "state": state}}
-
-
-def _save_as(world: int, directory: Path, whole: dict[str, Any], name: str = "epoch-0001-step-000000") -> Path:
-    barrier = threading.Barrier(world)
-    errors: list[BaseException] = []
-
-    def rank_main(rank: int) -> None:
-        try:
-            state = _ranks_state(whole, world, rank)
-            save_sharded(state, directory, name, rank=rank, world_size=world, barrier=barrier.wait)
-        except BaseException as exc:
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return directory / name
-
-
 def _checkpoint(tmp_path: Path, world: int, **extra: Any) -> tuple[nn.Module, torch.optim.Optimizer, Path]:
     model, optimizer = _trained()
     whole = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1, **extra}
-    return model, optimizer, _save_as(world, tmp_path / "run", whole)
+    return model, optimizer, save_as(world, tmp_path / "run", whole)
 
 
 # -- safetensors -------------------------------------------------------------------------------------------------
@@ -266,10 +216,10 @@ def test_optimizer_names_come_from_the_record_or_a_placing_only_the_shapes_allow
     named = torch.optim.AdamW(model.named_parameters())  # torch records them itself
     assert optimizer_fqns(saved["model"], named.state_dict()) == names
 
-    path = _save_as(2, tmp_path, {**saved, "epoch": 1})
+    path = save_as(2, tmp_path, {**saved, "epoch": 1})
     code, _, err = run_main(capsys, "checkpoint", "export", str(path), str(tmp_path / "dcp"))
     assert code == 1 and "--model-only" in err and not (tmp_path / "dcp").exists()
-    recorded = _save_as(3, tmp_path, {**saved, "epoch": 1, "parameter_names": names}, name="recorded")
+    recorded = save_as(3, tmp_path, {**saved, "epoch": 1, "parameter_names": names}, name="recorded")
     code, _, err = run_main(capsys, "checkpoint", "export", str(recorded), str(tmp_path / "dcp"))
     assert code == 0, err
     fresh = WithNorm()

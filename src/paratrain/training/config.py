@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain.checkpoint.formats import require_safetensors
 from paratrain.ddp.options import DDPOptions
 from paratrain.errors import ConfigError
 from paratrain.files import check_output
@@ -88,6 +89,13 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
         nargs="?",
         const="latest",
         metavar="latest|if-exists|PATH",
+    )
+    init_from: str | None = setting(
+        None,
+        "start from these weights (a state dict .pt, a .safetensors file, a torch.distributed.checkpoint "
+        "directory, or a paratrain checkpoint) instead of the seed's, under any strategy; a checkpoint --resume "
+        "continues takes precedence (--resume if-exists: the file's weights until the run has a checkpoint)",
+        metavar="FILE",
     )
     metrics_out: str | None = setting(None, "write the results as JSON", metavar="FILE.json")
     log_dir: str | None = setting(
@@ -180,6 +188,20 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
             check_extras(tensorboard=self.writes_tensorboard, plot=self.plot, tensorboard_flag=asked)
         if self.resume is not None and self.checkpoint_dir is None and self.resume in RESUME_MODES:
             raise ConfigError("--resume needs --checkpoint-dir (where to look for the latest checkpoint)")
+        if self.init_from is not None:
+            self._check_init_from(self.init_from)
+
+    def _check_init_from(self, path: str) -> None:
+        # with --resume, the checkpoint resumed from takes precedence (the run record's "continue it" line keeps
+        # init-from and adds --resume); the job says that it left the file unread
+        where = Path(path)
+        if not where.exists() and not (where.suffix == ".pt" and where.with_suffix("").is_dir()):
+            raise ConfigError(
+                f"--init-from {path}: nothing is there; give a state dict (.pt), a .safetensors file, a DCP "
+                f"directory or a paratrain checkpoint"
+            )
+        if where.suffix == ".safetensors":
+            require_safetensors(f"--init-from {path}")
 
     def ddp_options(self) -> DDPOptions:
         """What ``--find-unused-parameters``, ``--static-graph`` and ``--bucket-cap-mb`` ask of the strategy."""

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.file import check_writable
+from paratrain.checkpoint.weights import load_weights
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import TrainingError, TrainingInterrupted
 from paratrain.files import is_stdout, remove_stale_temporaries
@@ -162,6 +163,13 @@ class _Run:
             config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
         )
         check_fits(model, self.splits.train.inputs[:2], input_shape=self.splits.input_shape, spec=config.model)
+        if config.init_from is not None and self.resume_path is None:
+            # into the plain model, before prepare, in every process: each holds the whole model here (zero3 too,
+            # which keeps only its shards once prepared)
+            read = load_weights(config.init_from, model)
+            self.say(f"Starting from the weights in {config.init_from} ({read})")
+        elif config.init_from is not None:  # the checkpoint's weights replace any: the file is not read
+            self.say(f"Not reading --init-from {config.init_from}: the run continues its checkpoint {self.resume_path}")
         # the optimizer's parameters by name, in the order of its indices (it is built over model.parameters()):
         # recorded in every checkpoint, so an export keys the optimizer's state by name (checkpoint export)
         self.parameter_names = [name for name, _ in model.named_parameters()]
