@@ -252,3 +252,50 @@ def test_the_real_command_writes_both_formats_from_a_3_rank_checkpoint(tmp_path)
     assert _same(loaded["optimizer"], get_optimizer_state_dict(model, optimizer))
     done = run_cli("checkpoint", "export", "--format", "safetensors", str(path), str(tmp_path / "x"))
     assert done.returncode == 2 and "invalid choice: 'safetensors'" in done.stderr
+
+
+def _fsdp2_loads(rank: int, world_size: int, exported: str, out: str) -> None:
+    """An FSDP2 model (fully_shard, each of its modules a unit) at ``world_size`` reading the DCP directory, each
+    rank its own shards; rank 0 writes the whole model and optimizer state it then holds, gathered."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1)  # other weights than the checkpoint's
+    model = Tied()
+    for module in (model.mix, model.norm):
+        fully_shard(module)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=exported)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    gathered = {
+        "model": get_model_state_dict(model, options=whole),
+        "optimizer": get_optimizer_state_dict(model, optimizer, options=whole),
+    }
+    if rank == 0:
+        torch.save(gathered, Path(out) / "gathered.pt")
+
+
+@pytest.mark.processes
+def test_an_fsdp2_model_at_another_world_size_reads_the_export(tmp_path, capsys):
+    from processes import run_ranks
+
+    model, optimizer, path = _checkpoint(tmp_path, 3)  # written by 3 ranks, read by 2
+    code, _, err = run_main(capsys, "checkpoint", "export", str(path), str(tmp_path / "dcp"))
+    assert code == 0, err
+    run_ranks(_fsdp2_loads, 2, tmp_path, str(tmp_path / "dcp"), str(tmp_path), timeout=180)
+    gathered = torch.load(tmp_path / "gathered.pt", weights_only=True)
+    assert _same(gathered["model"], model.state_dict())
+    expected = get_optimizer_state_dict(model, optimizer)
+    assert _same(gathered["optimizer"]["state"], expected["state"])
+    assert [group["params"] for group in gathered["optimizer"]["param_groups"]] == [
+        group["params"] for group in expected["param_groups"]
+    ]
