@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run_main
-from paratrain.checkpoint.file import latest_checkpoint, load_checkpoint
+from paratrain.checkpoint.file import latest_checkpoint
 from paratrain.checkpoint.sharded import materialize, read_plain
 from paratrain.errors import ConfigError
 from paratrain.training import TrainConfig, train
@@ -136,24 +136,15 @@ def test_a_checkpoint_to_resume_takes_precedence_over_init_from(tmp_path, capsys
 
 
 @pytest.mark.processes
-def test_two_ddp_processes_start_from_a_safetensors_file(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_two_processes_start_from_a_safetensors_file(tmp_path, strategy):
+    """Each process loads the file into its plain model before prepare; zero3 then keeps its shards of it."""
     pytest.importorskip("safetensors")
     from processes import run_cli
 
     weights = _net().state_dict()
     source = _write("safetensors", weights, tmp_path)
-    flags = ["--optimizer", "sgd", "--lr", "1e-30", "--max-steps", "2", "--quiet"]
-    done = run_cli(
-        "train",
-        "--strategy",
-        "ddp",
-        "--nproc-per-node",
-        "2",
-        *flags,
-        "--init-from",
-        str(source),
-        "--checkpoint-dir",
-        str(tmp_path / "ckpt"),
-    )
+    flags = ["--optimizer", "sgd", "--lr", "1e-30", "--max-steps", "2", "--quiet", "--init-from", str(source)]
+    done = run_cli("train", "--strategy", strategy, "--nproc-per-node", "2", *flags, "--checkpoint-dir", "ckpt")
     assert done.returncode == 0, done.stderr
-    assert _same(load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))["model"], weights)
+    assert _same(_weights_after(Path("ckpt")), weights)
