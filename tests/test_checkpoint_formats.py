@@ -82,7 +82,7 @@ def test_safetensors_from_a_sharded_checkpoint_loads_strictly_into_a_plain_model
     lines = printed.splitlines()
     assert lines[0] == f"wrote {out} (safetensors): the model state dict, 7 tensors, 87 elements"  # 3+28+16+4+4+4+28
     assert lines[1:] == [
-        "  head.weight shares its memory with embed.weight (a tied weight): written as a copy, which a strict "
+        "  head.weight is the same tensor as embed.weight (a tied weight): written as a copy, which a strict "
         "load_state_dict takes (both names fill the one parameter)"
     ]
 

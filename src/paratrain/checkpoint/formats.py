@@ -56,22 +56,26 @@ def safetensors_tensors(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tenso
         )
     tensors: dict[str, torch.Tensor] = {}
     notes: list[str] = []
-    owners: dict[tuple[str, int], str] = {}  # a storage (device, address) -> the first key whose tensor is in it
+    owners: dict[tuple[str, int], tuple[str, torch.Tensor]] = {}  # a storage -> the first key (and tensor) in it
     for key, value in state.items():
         tensor = value.detach().cpu()
         storage = (str(value.device), value.untyped_storage().data_ptr())
-        shared = value.numel() > 0 and storage in owners
-        if shared:
+        first = owners.get(storage) if value.numel() > 0 else None
+        if first is not None:
             tensor = tensor.clone(memory_format=torch.contiguous_format)
+            name, other = first
+            tied = other.data_ptr() == value.data_ptr() and other.shape == value.shape
             notes.append(
-                f"{key} shares its memory with {owners[storage]} (a tied weight): written as a copy, which a "
-                f"strict load_state_dict takes (both names fill the one parameter)"
+                f"{key} is the same tensor as {name} (a tied weight): written as a copy, which a strict "
+                f"load_state_dict takes (both names fill the one parameter)"
+                if tied
+                else f"{key} shares memory with {name} (views of one buffer): written as a copy of its own"
             )
         elif not tensor.is_contiguous():
             tensor = tensor.contiguous()
             notes.append(f"{key} is not contiguous in memory: written as a contiguous copy (the same values)")
         if value.numel() > 0:
-            owners.setdefault(storage, key)
+            owners.setdefault(storage, (key, value))
         tensors[key] = tensor
     return tensors, notes
 
