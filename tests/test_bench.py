@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import paratrain
 from paratrain.errors import ConfigError
 from paratrain.tools import BenchConfig
 from paratrain.tools.bench import PHASES, BenchReport, ConfigTiming, plotting_available
@@ -151,3 +155,34 @@ def test_an_impossible_efficiency_or_a_moving_median_is_marked_unreliable_in_the
     by_config = {c["config"]: c for c in data["configs"]}
     assert by_config["ddp:2"]["unreliable"] == [] and by_config["zero1:2"]["unreliable"]
     assert BenchReport(settings, [believable], [], machine=machine).reliable
+
+
+ZERO_SPEED_MODES = (
+    *("local", "torch-ddp", "fsdp2", "fsdp2-noreshard"),
+    *("ddp", "zero1", "zero2", "zero3", "zero3-noreshard"),
+)
+
+
+@pytest.mark.processes
+def test_zero_speed_quick_prints_every_mode_its_agreement_and_the_verdicts(tmp_path):
+    """benchmarks/bench_zero_speed.py --quick on a small MLP (units of 65k+ parameters): about 15 s."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_zero_speed.py"
+    src = str(Path(paratrain.__file__).resolve().parents[1])  # the child imports the same paratrain as this test
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "zero_speed.json"
+    command = [sys.executable, str(script), "--quick", "--width", "256", "--depth", "2", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    table = result.stdout.split("\nmode ", 1)[1].split("\n\n", 1)[0].splitlines()[2:]  # below the header's dashes
+    rows = {line.split()[0]: line for line in table}
+    for mode in ZERO_SPEED_MODES:  # each timed, or skipped with its reason: never missing, never a made-up figure
+        assert mode in rows, result.stdout
+        if mode in report["skipped"]:
+            assert rows[mode].split()[1] == "skipped" and f"{mode} skipped: {report['skipped'][mode]}" in result.stdout
+        else:
+            assert float(rows[mode].split()[1]) > 0 and report["median_step_seconds"][mode] > 0
+            if mode != "local":  # every data-parallel mode trains as torch's DDP does: bitwise at two ranks
+                assert report["agreement"][mode]["bitwise"], report["agreement"][mode]
+    assert not report["agreement"]["initial"]["bitwise"]  # the warm-up moved the weights: the check sees changes
+    assert len(report["verdicts"]) == 4 and "zero3" in result.stdout.split("parameters after")[1]
