@@ -85,9 +85,10 @@ def test_a_rank_holds_its_shards_and_parts_of_the_gradients(two):
         assert abs(r["optimizer_state"] - r["model_numel"]) <= 2 * 3 * 4
         assert r["gradients_whole"]  # par.gradients gathers them
         # prefetch 1, units root, "2", "4": once the first forward has shown the order, a forward gathers "2"
-        # while the root's first layer computes and "4" while "2" does; a backward "2" while "4" computes (the root
-        # is still whole)
-        assert r["prefetched"] == [{"forward": 0, "backward": 1}, {"forward": 2, "backward": 2}]
+        # while the root's first layer computes and "4" while "2" does, and keeps "4" (the forward's last unit:
+        # its backward is next); a backward starts at the root's output, which gathers the first unit not held
+        # ("4" in the first backward, which "2" then follows; "2" in the next, "4" being kept)
+        assert r["prefetched"] == [{"forward": 0, "backward": 2}, {"forward": 2, "backward": 3}]
 
 
 def test_a_zero3_checkpoint_resumes_under_zero3_ddp_and_single_and_ddp_zero2_ones_under_zero3(two):

@@ -138,6 +138,7 @@ def train(
     clip: float | None = None,
     steps: int = STEPS,
     backwards: int = 1,
+    forward_before_step: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """Train under ``strategy``: the state after every step, an evaluation's outputs, the clipping norms."""
@@ -153,6 +154,8 @@ def train(
                     par.backward(loss_of(net(xm), ym))
             if clip is not None:
                 norms.append(float(par.clip_grad_norm_(net, clip)))
+            if forward_before_step:  # a forward with autograd on and no backward (a loss logged without no_grad)
+                net(probe)
             par.step(opt)
             opt.zero_grad()
             after.append(state_of(par, net))
@@ -175,6 +178,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "zero3": {"prefetch": 0, "reshard_after_forward": False},
     },
     "mlp, sgd, prefetch 2": {"model_name": "mlp", "optimizer": "sgd", "zero3": {"prefetch": 2}},
+    # the units kept gathered after that forward (the root, the last) are released by the step: not stale next time
+    "mlp, adamw, a forward without backward before each step": {
+        "model_name": "mlp",
+        "optimizer": "adamw",
+        "forward_before_step": True,
+    },
     "gpt tied + frozen, adamw, accumulate 2, clip": {
         "model_name": "gpt",
         "optimizer": "adamw",

@@ -157,13 +157,18 @@ class ShardedUnit:
         if grad.requires_grad:
             grad = grad.detach()
         with torch.no_grad():
+            divide = sync and self.world_size > 1  # our DDP's average: divide each rank's gradient, then sum
             if self.holds[i]:
                 slot += grad  # what autograd's accumulation into .grad does, in its order
+                if divide:
+                    slot.div_(self.world_size)
+            elif divide and grad.dtype == slot.dtype:
+                torch.div(grad, self.world_size, out=slot)  # copy_ then div_ in one pass: the same numbers
             else:
                 slot.copy_(grad)
+                if divide:
+                    slot.div_(self.world_size)
             self.holds[i] = True
-            if sync and self.world_size > 1:
-                slot.div_(self.world_size)  # our DDP's average: divide each rank's gradient, then sum
 
     def open_grad(self, group: Any, monitor: CollectiveMonitor) -> None:
         """The unit's whole gradient, before the first of a backward's gradients goes in: zeros, or the reduced
@@ -171,7 +176,8 @@ class ShardedUnit:
         ``.grad`` under ddp, in ddp's order; the next reduce-scatter then replaces this rank's part."""
         if self.grad_full is not None:
             return
-        self.grad_full = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.device)
+        # what no gradient fills is zeroed before the reduce-scatter (ready_to_reduce), not here: one pass less
+        self.grad_full = torch.empty(self.layout.padded, dtype=self.dtype, device=self.device)
         self.holds = [False] * len(self.params)
         if self.shard_grad is not None:
             seq = monitor.launched()
@@ -181,16 +187,26 @@ class ShardedUnit:
             self.holds = [p.requires_grad for p in self.params]
             self.shard_grad = None
 
-    def divide_missing(self) -> None:
-        """Before a reduce-scatter: the slots of parameters without a gradient in this backward, divided too."""
-        assert self.grad_full is not None, "open_grad() comes first"
-        if self.world_size == 1:
-            return
+    def ready_to_reduce(self) -> None:
+        """Before a reduce-scatter: the slots of parameters without a gradient in this backward divided too (a
+        gradient kept from an earlier backward), and every element nothing filled zeros (the slots of parameters
+        that have no gradient, frozen ones, the padding)."""
+        full = self.grad_full
+        assert full is not None, "open_grad() comes first"
         with torch.no_grad():
-            for i in self.trainable:
-                if self.holds[i] and not self.arrived[i]:
-                    p = self.params[i]
-                    self.grad_full.narrow(0, self.offsets[i], p.numel()).div_(self.world_size)
+            covered = 0
+            for i in sorted(range(len(self.params)), key=lambda i: self.offsets[i]):
+                at, count = self.offsets[i], self.params[i].numel()
+                if at > covered:
+                    full.narrow(0, covered, at - covered).zero_()
+                slot = full.narrow(0, at, count)
+                if not self.holds[i]:
+                    slot.zero_()
+                elif not self.arrived[i] and self.params[i].requires_grad and self.world_size > 1:
+                    slot.div_(self.world_size)
+                covered = max(covered, at + count)
+            if covered < full.numel():
+                full.narrow(0, covered, full.numel() - covered).zero_()
 
     def add_reduced(self, part: torch.Tensor) -> None:
         """This rank's part of the reduced gradient (which holds what the unit kept before: see open_grad)."""

@@ -250,13 +250,25 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         order = self._order[::-1] if backward else self._order
         if unit.index not in order:
             return
-        at = order.index(unit.index)
-        for index in order[at + 1 : at + 1 + self.prefetch]:
-            ahead = self.units[index]
-            if (backward and ahead.backward_started) or ahead.gathered or ahead.gathering is not None:
+        if backward and unit is self._root_unit():
+            # the root's backward (its outputs' gradient) comes before every unit's, and the root ends the
+            # reversed order: the first units of the backward still to gather are the ones ahead
+            ahead = [index for index in order if index != unit.index and not self._held(self.units[index], backward)][
+                : self.prefetch
+            ]
+        else:
+            at = order.index(unit.index)
+            ahead = order[at + 1 : at + 1 + self.prefetch]
+        for index in ahead:
+            if self._held(self.units[index], backward):
                 continue
-            ahead.launch_gather(self.process_group, self.monitor)
+            self.units[index].launch_gather(self.process_group, self.monitor)
             self.prefetched["backward" if backward else "forward"] += 1
+
+    @staticmethod
+    def _held(unit: ShardedUnit, backward: bool) -> bool:
+        """Whether ``unit`` needs no gathering now: gathered, being gathered, or (in backward) done already."""
+        return (backward and unit.backward_started) or unit.gathered or unit.gathering is not None
 
     def _pre_forward(self, unit: ShardedUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._recording is not None and unit.index not in self._recording:
@@ -287,6 +299,8 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
                     t.register_hook(functools.partial(_pre_backward, ref, unit))
         if unit is self._root_unit() and training:
             return  # its backward comes first
+        if training and self._order and unit.index == self._order[-1]:
+            return  # the forward's last unit: its backward comes next, and would gather it again at once
         if self.reshard_after_forward or not training:
             unit.free()
 
@@ -332,7 +346,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             return
         unit.reduce_launched = True
         unit.open_grad(self.process_group, self.monitor)
-        unit.divide_missing()
+        unit.ready_to_reduce()
         while len(self._reducing) >= MAX_REDUCING:
             self._settle(self._reducing[0])
         assert unit.grad_full is not None
@@ -407,7 +421,13 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         return unit.shard_grad.narrow(0, offset, piece.length)
 
     def launch_gather(self, bucket: int) -> None:
-        """Nothing to do: the shards are the weights; the next forward gathers them."""
+        """The optimizer updated unit ``bucket``'s shard: the shards are the weights, and the next forward gathers
+        them. A gathered copy still held (the root's or the forward's last unit, kept for a backward that never
+        came: a training forward without one) is stale now, and released."""
+        unit = self.units[bucket]
+        if unit.gathering is not None:
+            unit.wait_gather(self.monitor)  # a prefetch in flight: every rank started it alike
+        unit.free()
 
     def wait_gathers(self) -> None:
         """Nothing to wait for (see :meth:`launch_gather`)."""
