@@ -1,16 +1,25 @@
-"""How much memory does each rank hold, and at most use, under ddp, zero1 and zero2, against the ZeRO formula?
+"""How much memory does each rank hold, and at most use, under ddp, zero1, zero2 and zero3, against the ZeRO formula?
 
-    python benchmarks/bench_zero_memory.py                 # N = 1..4 ranks over gloo, the 10M MLP and a 53.6M one
+    python benchmarks/bench_zero_memory.py                 # N = 1..4 ranks over gloo: 10M, 53.6M and a deep 25M MLP
     python benchmarks/bench_zero_memory.py --quick         # the 10M MLP at N = 1, 2 only: a smoke run
 
 Each (model, N, strategy) runs in N fresh processes of its own: fp32 AdamW, :data:`STEPS` training steps
-(``par.backward``, ``par.step``, ``zero_grad``), the same model and data for every strategy. Two figures per rank:
+(``zero_grad``, ``par.backward``, ``par.step``), the same model and data for every strategy. Two figures per rank:
 
 - held: after the last step every tensor alive in the process is found (``gc``), tensors sharing storage counted
   once, and their storage bytes summed, less what the process held before the model was built. That is the
-  model state the rank keeps between steps: the weights, the gradients (whole under ddp and zero1, this rank's
-  parts under zero2) and AdamW's two moments (whole, or this rank's shard). The formula (Rajbhandari et al.
-  2020, Ψ parameters, N ranks): ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N; the target: within 5%.
+  model state the rank keeps between steps: the weights (whole, or under zero3 this rank's shard of each unit),
+  the gradients (whole under ddp and zero1, this rank's parts under zero2 and zero3) and AdamW's two moments
+  (whole, or this rank's shard). The formula (Rajbhandari et al. 2020, Ψ parameters, N ranks): ddp 16Ψ, zero1
+  8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N, zero3 16Ψ/N; the target: within 5%. ``zero_grad`` comes before each backward, so
+  the last step's gradients are alive when it is measured; the same figure after a last
+  ``zero_grad(set_to_none=True)`` is reported beside it: only zero3 drops its gradient shards then (12Ψ/N).
+  zero3 holds no gathered unit between steps: each unit's gathered buffer is released after its backward (the
+  root's, which stays gathered through a training forward, at the end of backward) by shrinking its storage to
+  0 bytes, and a parameter between uses is a NaN scalar expanded to its shape (4 bytes a unit); such storages
+  count 0 or 4 bytes, so the held figure is the shards only, plus each unit's padding to N parts. Its units (the
+  default policy: every child of the ``Sequential`` with at least 65536 parameters, the root holding the last
+  ``Linear``) are printed.
 - peak: on CPU, the process's peak resident set (``VmHWM`` in /proc/self/status, reset through
   /proc/self/clear_refs just before the model is built; ``ru_maxrss`` where that cannot be reset) less the
   resident set at that moment. That is what the machine sees, and it counts every allocation: the buffers of
@@ -19,9 +28,15 @@ Each (model, N, strategy) runs in N fresh processes of its own: fp32 AdamW, :dat
   of Python-visible tensors (a ``TorchDispatchMode``) never sees. That is why this benchmark reads the resident
   set and not such a tracker, and why every strategy gets fresh processes: a process's peak is the peak of
   everything it ran before, and freed memory that malloc keeps would be counted for the next strategy. The
-  resident set also counts malloc's own retention, so it is an upper bound of the live bytes, the same for
-  every strategy. On CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less what was
-  allocated then. The target: zero2 <= zero1 <= ddp at every N > 1.
+  resident set also counts malloc's own retention and the pages of torch's libraries first touched during the
+  steps, so it is an upper bound of the live bytes, the same for every strategy. On CUDA:
+  ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less what was allocated then. The
+  target: zero3 <= zero2 <= zero1 <= ddp at every N > 1. zero3's peak is its held state plus what its backward
+  has in flight, which does not shrink with N: the unit computing and the one prefetched, gathered (two units'
+  weights), the unit's gradient from autograd and its flat copy, and up to ``MAX_REDUCING`` (2) units whose
+  reduce-scatter runs (each its whole gradient, and gloo's clone of it): six to eight times the largest unit's
+  bytes. Where a unit is a large part of the model (the 53.6M MLP's three 16.8M-parameter layers) that is more
+  than zero3 saves against zero2, and its peak is above zero2's; the deep MLP's units are 1M parameters.
 
 The ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` (:data:`FIXED_MALLOC`): every block of 64 KiB or more is mapped
 on its own and unmapped when freed, so the resident set follows the live bytes and the peak is their high-water
@@ -50,18 +65,21 @@ from bench_common import print_table, write_json
 from torch import nn
 
 import paratrain
+from paratrain.sharded.units import plan_units
 
-STRATEGIES = ("ddp", "zero1", "zero2")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 TOLERANCE = 0.05
 STEPS = 3  # training steps measured: a step after the first also holds what the one before it left behind
 BYTES_PER_PARAM = {  # (whole, divided by N): fp32 weights 4, gradients 4, AdamW's two moments 8
     "ddp": (16, 0),
     "zero1": (8, 8),
     "zero2": (4, 12),
+    "zero3": (0, 16),  # every unit's weights sharded too; none is gathered between steps (module docstring)
 }
 MODELS = {  # name: (input width, hidden width, hidden layers)
     "mlp 10M": (784, 2048, 3),
     "mlp 53.6M": (784, 4096, 4),
+    "mlp 25.0M deep": (784, 1024, 24),  # zero3's units small against the model: 24 of 1.05M parameters
 }
 # every allocation of 64 KiB or more its own mapping, unmapped when freed (glibc): the resident set follows the live
 # bytes. By default glibc raises that threshold to the largest block freed (up to 32 MiB) and keeps freed blocks
@@ -144,17 +162,28 @@ def measure(strategy: str, spec: tuple[int, int, int], batch: int, device: torch
         meter.start()
         net = mlp(*spec)
         params = sum(p.numel() for p in net.parameters())
+        # zero3's units under its default policy: (name, parameters); "" is the root
+        units = [(u.name, u.numel) for u in plan_units(net)] if strategy == "zero3" else []
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         net, opt, loader = par.prepare(net, opt, data)
         for x, y in loader:
+            opt.zero_grad()  # before the backward: the last step's gradients are held when it ends
             par.backward(nn.functional.cross_entropy(net(x), y))
             par.step(opt)
-            opt.zero_grad()
         peak = meter.peak()
         del x, y, loader
         held = held_bytes() - before
+        opt.zero_grad()  # set_to_none: what each strategy still holds without gradients
+        cleared = held_bytes() - before
         del net, opt
-    return {"params": params, "bytes": held, "peak_bytes": peak, "peak_method": meter.method}
+    return {
+        "params": params,
+        "units": units,
+        "bytes": held,
+        "bytes_after_zero_grad": cleared,
+        "peak_bytes": peak,
+        "peak_method": meter.method,
+    }
 
 
 def worker(rank: int, world: int, store: str, model: str, strategy: str, out: str) -> None:
@@ -184,9 +213,19 @@ def formula_bytes(strategy: str, params: int, world: int) -> float:
     return whole * params + divided * params / world
 
 
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def _bytes_per_param(whole: int, divided: int) -> str:
+    if not divided:
+        return f"{whole}"
+    return f"{whole}+{divided}/N" if whole else f"{divided}/N"
+
+
 def in_order(peaks: dict[str, int]) -> bool:
-    """The target: zero2 <= zero1 <= ddp (each the worst rank's peak)."""
-    return peaks["zero2"] <= peaks["zero1"] <= peaks["ddp"]
+    """The target: zero3 <= zero2 <= zero1 <= ddp (each the worst rank's peak)."""
+    return peaks["zero3"] <= peaks["zero2"] <= peaks["zero1"] <= peaks["ddp"]
 
 
 def main() -> int:
@@ -203,12 +242,16 @@ def main() -> int:
     models = ["mlp 10M"] if args.quick else list(MODELS)
     sizes = range(1, (2 if args.quick else args.max_world_size) + 1)
     rows, results, orders = [], [], []
+    unit_plans: dict[str, list[tuple[str, int]]] = {}
     for name in models:
         for n in sizes:
             peaks = {}
             for strategy in STRATEGIES:
                 ranks = run(n, name, strategy)
                 measured = [rank["bytes"] for rank in ranks]
+                cleared = [rank["bytes_after_zero_grad"] for rank in ranks]
+                if strategy == "zero3":
+                    unit_plans[name] = [tuple(unit) for unit in ranks[0]["units"]]
                 peak = [rank["peak_bytes"] for rank in ranks]
                 psi = ranks[0]["params"]
                 formula = formula_bytes(strategy, psi, n)
@@ -222,6 +265,7 @@ def main() -> int:
                         "world_size": n,
                         "strategy": strategy,
                         "measured_bytes_per_rank": measured,
+                        "after_zero_grad_bytes_per_rank": cleared,
                         "peak_bytes_per_rank": peak,
                         "peak_method": ranks[0]["peak_method"],
                         "formula_bytes": formula,
@@ -236,25 +280,62 @@ def main() -> int:
                         n,
                         strategy,
                         f"{max(measured) / 2**20:.1f}",
+                        f"{max(cleared) / 2**20:.1f}",
                         f"{max(peak) / 2**20:.1f}",
                         f"{formula / 2**20:.1f}",
-                        f"{whole}+{divided}/N" if divided else f"{whole}",
+                        _bytes_per_param(whole, divided),
                         f"{error:+.2%}",
                         "yes" if abs(error) <= TOLERANCE else "NO",
                     ]
                 )
             if n > 1:
-                orders.append({"model": name, "world_size": n, "in_order": in_order(peaks)})
-    headers = ["model", "N", "strategy", "held MiB", "peak MiB", "formula MiB", "bytes/param", "error", "within 5%"]
+                orders.append(
+                    {
+                        "model": name,
+                        "world_size": n,
+                        "in_order": in_order(peaks),
+                        "zero2_zero1_ddp": peaks["zero2"] <= peaks["zero1"] <= peaks["ddp"],
+                        "zero3_zero2": peaks["zero3"] <= peaks["zero2"],
+                        "peak_bytes": peaks,
+                    }
+                )
+    headers = [
+        "model",
+        "N",
+        "strategy",
+        "held MiB",
+        "zero_grad MiB",
+        "peak MiB",
+        "formula MiB",
+        "bytes/param",
+        "error",
+        "within 5%",
+    ]
     print_table(headers, rows)
-    print(f"\nheld: every tensor alive in the rank after {STEPS} fp32 AdamW steps, storages counted once; peak: the")
-    print("rank's peak resident set during the steps less its resident set before the model was built (CUDA:")
-    print("max_memory_allocated); both the worst rank's. formula: ddp 16Ψ, zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N")
+    print(f"\nheld: every tensor alive in the rank after {STEPS} fp32 AdamW steps (zero_grad before each backward,")
+    print("so the last step's gradients are alive), storages counted once; zero_grad: the same after a last")
+    print("zero_grad(set_to_none=True). peak: the rank's peak resident set during the steps less its resident set")
+    print("before the model was built (CUDA: max_memory_allocated); each the worst rank's. formula (held): ddp 16Ψ,")
+    print("zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N, zero3 16Ψ/N (no unit is gathered between steps)")
+    for name, plan in unit_plans.items():
+        listed = ", ".join(f"{unit or '(root)'} {numel / 1e6:.2f}M" for unit, numel in plan)
+        print(f"zero3 units of {name} (the default policy): {len(plan)}: {listed}")
     for order in orders:
-        verdict = "yes" if order["in_order"] else "NO"
-        print(f"peak zero2 <= zero1 <= ddp, {order['model']} at N = {order['world_size']}: {verdict}")
+        listed = ", ".join(f"{s} {order['peak_bytes'][s] / 2**20:.1f}" for s in reversed(STRATEGIES))
+        print(
+            f"peak zero3 <= zero2 <= zero1 <= ddp, {order['model']} at N = {order['world_size']}: "
+            f"{_yes(order['in_order'])} (zero2 <= zero1 <= ddp {_yes(order['zero2_zero1_ddp'])}, zero3 <= zero2 "
+            f"{_yes(order['zero3_zero2'])}; {listed} MiB)"
+        )
     ok = all(r["within"] for r in results) and all(o["in_order"] for o in orders)
-    payload = {"tolerance": TOLERANCE, "steps": STEPS, "ok": ok, "results": results, "peak_order": orders}
+    payload = {
+        "tolerance": TOLERANCE,
+        "steps": STEPS,
+        "ok": ok,
+        "results": results,
+        "peak_order": orders,
+        "zero3_units": unit_plans,
+    }
     write_json("bench_zero_memory", payload, args.out)
     return 0 if ok else 1
 
