@@ -232,6 +232,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-world-size", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="the 10M MLP at N = 1, 2: a smoke run")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="only these models (default: all)")
+    parser.add_argument("--min-world-size", type=int, default=1)
     parser.add_argument("--out", help="where the JSON goes (default: benchmarks/results/)")
     parser.add_argument(
         "--system-malloc", action="store_true", help="malloc's defaults: the peak then counts what malloc keeps"
@@ -239,8 +241,8 @@ def main() -> int:
     args = parser.parse_args()
     if not args.system_malloc:
         os.environ.update(FIXED_MALLOC)  # inherited by the spawned ranks, read by malloc when it starts
-    models = ["mlp 10M"] if args.quick else list(MODELS)
-    sizes = range(1, (2 if args.quick else args.max_world_size) + 1)
+    models = ["mlp 10M"] if args.quick else list(args.models or MODELS)
+    sizes = range(args.min_world_size, (2 if args.quick else args.max_world_size) + 1)
     rows, results, orders = [], [], []
     unit_plans: dict[str, list[tuple[str, int]]] = {}
     for name in models:

@@ -58,7 +58,9 @@ from paratrain.user_keys import UserKeys
 
 __all__ = ["MAX_REDUCING", "FullyShardedDataParallel"]
 
-MAX_REDUCING = 2  # units whose reduce-scatter may run at once; each holds the unit's whole gradient meanwhile
+# units whose reduce-scatter may run at once; each holds the unit's whole gradient meanwhile. One: two made zero3's
+# peak during backward the highest of the strategies (each unit a sixth of the 53.6M MLP; issue 26)
+MAX_REDUCING = 1
 
 
 def _queue_end_of_backward(callback: Callable[[], None]) -> None:
@@ -70,7 +72,7 @@ class _Reducing:
     unit: ShardedUnit
     work: Any
     seq: int
-    out: torch.Tensor
+    out: torch.Tensor | None  # None: the unit's whole gradient is all-reduced in place (gloo)
 
 
 class FullyShardedDataParallel(UserKeys, nn.Module):
@@ -149,6 +151,9 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         self._sync = True  # the backward to come reduces (set by each training forward)
         self._callback_queued = False
         self._reducing: list[_Reducing] = []
+        # gloo's reduce-scatter is an all-reduce of a clone of the whole input, which its Work holds: all-reducing the
+        # unit's gradient in place gives the same sums without the clone (as zero2's buckets on gloo)
+        self._reduce_in_place = dist.get_backend(self.process_group) == "gloo"
         self._order: list[int] | None = None  # the units in the order the first training forward ran them
         self.prefetched = {"forward": 0, "backward": 0}  # all-gathers started ahead of their unit
         self._recording: list[int] | None = None
@@ -350,16 +355,24 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         while len(self._reducing) >= MAX_REDUCING:
             self._settle(self._reducing[0])
         assert unit.grad_full is not None
-        out = torch.empty(unit.part, dtype=unit.dtype, device=unit.device)
         seq = self.monitor.launched()
+        out: torch.Tensor | None = None
         with no_python_in_work():
-            work = reduce_scatter_into(out, unit.grad_full, self.process_group)
+            if self._reduce_in_place:
+                work = dist.all_reduce(unit.grad_full, group=self.process_group, async_op=True)
+            else:
+                out = torch.empty(unit.part, dtype=unit.dtype, device=unit.device)
+                work = reduce_scatter_into(out, unit.grad_full, self.process_group)
         self._reducing.append(_Reducing(unit, work, seq, out))
 
     def _settle(self, reducing: _Reducing) -> None:
-        self.monitor.wait(reducing.work, reducing.seq, f"gradient reduce-scatter of unit {reducing.unit.label}")
+        unit = reducing.unit
+        self.monitor.wait(reducing.work, reducing.seq, f"gradient reduce-scatter of unit {unit.label}")
         self._reducing.remove(reducing)
-        reducing.unit.add_reduced(reducing.out)
+        if reducing.out is None:  # all-reduced in place: this rank's part of the sum, the whole buffer freed
+            assert unit.grad_full is not None
+            reducing.out = unit.grad_full.narrow(0, unit.rank * unit.part, unit.part).clone()
+        unit.add_reduced(reducing.out)
 
     def _finish(self) -> None:
         """End of backward: reduce what is left, wait for every reduce-scatter, release every gathered unit."""
