@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from fault_scenarios import a_rank_that_cannot_write_its_slices
 from paratrain.checkpoint.file import latest_checkpoint, list_checkpoints, load_checkpoint
 from paratrain.training import TrainConfig, train
-from processes import cli_command, descendants, finish, free_port, run_cli, start_cli, worker_with_rank
+from processes import cli_command, descendants, finish, free_port, run_cli, run_ranks, start_cli, worker_with_rank
 
 pytestmark = pytest.mark.processes  # every test here starts processes
 
@@ -379,3 +380,22 @@ def test_ctrl_c_under_ddp_stops_every_rank_after_the_same_step_in_one_line(tmp_p
     assert resumed.returncode == 0, resumed.stderr
     result = json.loads(metrics.read_text())  # the ranks resumed together from the step rank 0 named
     assert result["resumed_from"] == str(saved) and result["steps"] == 20
+
+
+# --- the sharded strategies: every rank writes its slices -----------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs a file-size limit (POSIX)")
+def test_a_rank_that_cannot_write_its_slices_is_named_to_every_rank_at_once(tmp_path):
+    """One rank's write fails (zero1, zero2, zero3): every rank's par.save raises the same error naming it within
+    a second, not after the timeout (60 s) the others waited for it in a barrier; a loop that goes on stays in step."""
+    found = run_ranks(a_rank_that_cannot_write_its_slices, 2, tmp_path, str(tmp_path / "ckpt"), timeout=240)
+    for strategy in ("zero1", "zero2", "zero3"):
+        errors = {rank[strategy]["error"] for rank in found}
+        assert len(errors) == 1, errors  # the same words on every rank
+        (error,) = errors
+        assert error is not None and "rank 1 could not write" in error and "shard-00001.pt" in error, error
+        assert "File too large (errno 27)" in error and "Nothing was published" in error, error
+        assert max(rank[strategy]["seconds"] for rank in found) < 5, found
+        # the failed checkpoint left nothing, not even its hidden directory; the next one is whole
+        assert found[0][strategy]["entries"] == ["epoch-0000-step-000002"], found[0][strategy]
