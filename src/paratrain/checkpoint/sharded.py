@@ -359,16 +359,21 @@ class _Reader:
         self._files: dict[str, dict[int, torch.Tensor]] = {}
         self.verified: set[tuple[str, int]] = set()  # (file, key): the slices read so far
 
+    def check_size(self, file: str) -> None:
+        """Raise CheckpointError when ``file`` is missing or not the size the index says (a stat, nothing read)."""
+        path = self.directory / file
+        size = path.stat().st_size if path.is_file() else None
+        if size != self.sizes.get(file):
+            found = "missing" if size is None else f"{size} bytes"
+            raise CheckpointError(
+                f"checkpoint {self.directory}: {file} is {found}, the index says {self.sizes.get(file)} bytes "
+                f"(cut short, removed or replaced): resume from an earlier checkpoint"
+            )
+
     def slice(self, file: str, key: int, digest: str) -> torch.Tensor:
         if file not in self._files:
+            self.check_size(file)
             path = self.directory / file
-            size = path.stat().st_size if path.is_file() else None
-            if size != self.sizes.get(file):
-                found = "missing" if size is None else f"{size} bytes"
-                raise CheckpointError(
-                    f"checkpoint {self.directory}: {file} is {found}, the index says {self.sizes.get(file)} bytes "
-                    f"(cut short, or replaced): resume from an earlier checkpoint"
-                )
             try:
                 self._files[file] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:
@@ -424,7 +429,8 @@ def open_sharded(path: str | Path) -> dict[str, Any]:
     """The state of the sharded checkpoint at ``path``, its sliced tensors as :class:`StoredTensor` (nothing read yet).
 
     Raises:
-        CheckpointError: no index, an index that is damaged or of a newer layout.
+        CheckpointError: no index, an index that is damaged or of a newer layout, a shard file missing or not
+            the size the index says (the slices' digests are checked as they are read).
     """
     path = Path(path)
     if not is_sharded_checkpoint(path):
@@ -438,6 +444,8 @@ def open_sharded(path: str | Path) -> dict[str, Any]:
             f"{LAYOUT_VERSION}): upgrade paratrain to resume from it"
         )
     reader = _Reader(path, index["files"])
+    for file in index["files"]:  # a file removed or cut short is refused at once, before any process trains
+        reader.check_size(file)
     state: dict[str, Any] = index["state"]
     for entry in index["tensors"]:
         stored = StoredTensor(reader, entry)
