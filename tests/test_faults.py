@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import time
@@ -18,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint.file import latest_checkpoint, list_checkpoints, load_checkpoint
+from fault_scenarios import a_rank_that_cannot_write_its_slices
+from paratrain.checkpoint.file import checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint
+from paratrain.checkpoint.sharded import is_sharded_checkpoint, materialize, read_plain, verify_sharded
 from paratrain.training import TrainConfig, train
-from processes import cli_command, descendants, finish, free_port, run_cli, start_cli, worker_with_rank
+from processes import cli_command, descendants, finish, free_port, run_cli, run_ranks, start_cli, worker_with_rank
 
 pytestmark = pytest.mark.processes  # every test here starts processes
 
@@ -126,18 +129,36 @@ def test_a_stopped_worker_is_named_and_the_job_ends_soon_after_the_timeout(tmp_p
 
 RESTART_RUN = ("--strategy", "ddp", "--nproc-per-node", "2", "--dataset", "digits60k", "--quiet", "--epochs", "1")
 RESTART_RUN += ("--max-steps", "240", "--checkpoint-every", "40", "--keep-checkpoints", "10")
+SHARDED = ("zero1", "zero2", "zero3")
 
 
-@pytest.mark.slow
-def test_a_killed_worker_is_restarted_and_resumes_from_the_latest_checkpoint(tmp_path):
-    """Rank 1 SIGKILLed at step 100, 20 steps after the checkpoint at 80: resumed there, the same model, the steps
-    lost counted exactly."""
-    directory = tmp_path / "ckpt"
-    quiet = RESTART_RUN.index("--quiet")
-    logged = (*RESTART_RUN[:quiet], *RESTART_RUN[quiet + 1 :], "--log-every", "10")
+def _as(strategy: str, run: tuple[str, ...] = RESTART_RUN) -> tuple[str, ...]:
+    """``run`` under another strategy."""
+    at = run.index("--strategy") + 1
+    return (*run[:at], strategy, *run[at + 1 :])
+
+
+def _without(run: tuple[str, ...], flag: str, values: int = 0) -> tuple[str, ...]:
+    """``run`` without ``flag`` and the ``values`` after it."""
+    at = run.index(flag)
+    return (*run[:at], *run[at + 1 + values :])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> str:
+    """The model fingerprint of RESTART_RUN trained to its end without a fault: ddp's, which zero1, zero2 and zero3
+    equal bit for bit at two ranks (tests/test_zero.py, tests/test_zero3.py), so one run serves every strategy."""
+    metrics = tmp_path_factory.mktemp("uninterrupted") / "m.json"
+    finish(start_cli("train", *RESTART_RUN, "--metrics-out", str(metrics), env={"OMP_NUM_THREADS": "1"}))
+    return str(json.loads(metrics.read_text())["model_fingerprint"])
+
+
+def _kill_rank_1_at_step_100(run: tuple[str, ...], directory: Path, metrics: Path) -> dict:
+    """Run ``run`` under ``--max-restarts 1``, SIGKILL rank 1 once step 100 is logged (20 steps after the checkpoint
+    at 80); the metrics of the run, which the restarted workers finished."""
     proc = start_cli(
-        "train", *logged, "--checkpoint-dir", str(directory), "--max-restarts", "2",
-        "--metrics-out", str(tmp_path / "m.json"), env={"OMP_NUM_THREADS": "1"}, merge_stderr=True,
+        "train", *_without(run, "--quiet"), "--log-every", "10", "--checkpoint-dir", str(directory),
+        "--max-restarts", "1", "--metrics-out", str(metrics), env={"OMP_NUM_THREADS": "1"}, merge_stderr=True,
     )  # fmt: skip
     output: list[str] = []
     try:
@@ -153,16 +174,36 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_latest_checkpoint(tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    resumed = json.loads((tmp_path / "m.json").read_text())
-    uninterrupted = tmp_path / "whole.json"
-    finish(start_cli("train", *RESTART_RUN, "--metrics-out", str(uninterrupted), env={"OMP_NUM_THREADS": "1"}))
-    assert resumed["model_fingerprint"] == json.loads(uninterrupted.read_text())["model_fingerprint"]
+    result: dict = json.loads(metrics.read_text())
+    return result
+
+
+def _check_resumed(resumed: dict, fingerprint: str) -> None:
+    """The restarted run ended with the uninterrupted run's model, resumed from the latest checkpoint."""
+    assert resumed["model_fingerprint"] == fingerprint
     assert resumed["restarts"] == 1 and len(resumed["recoveries"]) == 1
     recovery = resumed["recoveries"][0]
     assert recovery["resumed_at_step"] in (80, 120)  # the latest checkpoint, not step 0 (120 if the kill came late)
     if recovery["resumed_at_step"] == 80:  # step 100 was done when its line was printed: at least 21 steps lost
         assert 21 <= resumed["steps_redone"] < 40, resumed
     assert 0 < resumed["recovery_seconds"] < 60
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_resumes_from_the_latest_checkpoint(tmp_path, uninterrupted):
+    """Rank 1 SIGKILLed at step 100, 20 steps after the checkpoint at 80: resumed there, the same model, the steps
+    lost counted exactly."""
+    _check_resumed(_kill_rank_1_at_step_100(RESTART_RUN, tmp_path / "ckpt", tmp_path / "m.json"), uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_a_killed_worker_under_a_sharded_strategy_resumes_from_its_slices(tmp_path, uninterrupted, strategy):
+    """As above under zero1, zero2 and zero3: the restarted workers read their slices of the latest sharded
+    checkpoint (a directory every rank wrote) and end with the uninterrupted ddp run's model, bit for bit."""
+    directory = tmp_path / "ckpt"
+    _check_resumed(_kill_rank_1_at_step_100(_as(strategy), directory, tmp_path / "m.json"), uninterrupted)
+    assert all(is_sharded_checkpoint(path) for path in list_checkpoints(directory))
 
 
 @pytest.mark.slow
@@ -233,11 +274,22 @@ def _in_world_of(agent: subprocess.Popen[str], size: int) -> bool:
     return False
 
 
+def _mtime(path: Path) -> float:
+    """When ``path`` last changed; 0 while it is not there (a checkpoint being replaced by one of the same name)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 @pytest.mark.slow
-def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
-    """Two node agents (--nnodes 1:2, one process each); SIGKILL one agent's whole process tree mid-run."""
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path, strategy):
+    """Two node agents (--nnodes 1:2, one process each); SIGKILL one agent's whole process tree mid-run. Under zero2
+    the survivor, alone, reads the slices both ranks wrote (every slice of the checkpoint, its own shard now)."""
     port, directory = free_port(), tmp_path / "ckpt"
-    common = (*ELASTIC_RUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-id", "lost")
+    common = (*_as(strategy, ELASTIC_RUN), "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2")
+    common += ("--rdzv-id", f"lost-{strategy}")
     common += ("--rdzv-endpoint", f"127.0.0.1:{port}", "--checkpoint-dir", str(directory))
     env = {"OMP_NUM_THREADS": "1"}
     # both agents start at once, so both meet in the first round (one that starts seconds later, as a loaded machine
@@ -257,7 +309,7 @@ def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
             assert time.monotonic() < deadline + 120, "the victim never joined the group"
             time.sleep(0.05)
         joined = time.time()
-        while not [p for p in directory.glob("epoch-*.pt") if p.stat().st_mtime > joined + 0.5 and _step(p) >= 80]:
+        while not [p for p in list_checkpoints(directory) if _mtime(p) > joined + 0.5 and _step(p) >= 80]:
             assert survivor.poll() is None and victim.poll() is None, "an agent ended early"
             assert time.monotonic() < deadline + 180, "no checkpoint at step 80 or later from the two-node group"
             time.sleep(0.01)
@@ -285,7 +337,7 @@ def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path):
     assert metrics["recoveries"][-1]["resumed_at_step"] >= 80
     reference = tmp_path / "reference"
     train(TrainConfig(dataset="digits60k", epochs=1, max_steps=240, quiet=True, checkpoint_dir=str(reference)))
-    mine, theirs = (load_checkpoint(latest_checkpoint(d))["model"] for d in (directory, reference))
+    mine, theirs = (materialize(read_plain(latest_checkpoint(d)))["model"] for d in (directory, reference))
     for key in theirs:
         torch.testing.assert_close(mine[key], theirs[key], atol=1e-4, rtol=0)
 
@@ -379,3 +431,183 @@ def test_ctrl_c_under_ddp_stops_every_rank_after_the_same_step_in_one_line(tmp_p
     assert resumed.returncode == 0, resumed.stderr
     result = json.loads(metrics.read_text())  # the ranks resumed together from the step rank 0 named
     assert result["resumed_from"] == str(saved) and result["steps"] == 20
+
+
+# --- the sharded strategies: every rank writes its slices -----------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs a file-size limit (POSIX)")
+def test_a_rank_that_cannot_write_its_slices_is_named_to_every_rank_at_once(tmp_path):
+    """One rank's write fails (zero1, zero2, zero3): every rank's par.save raises the same error naming it within
+    a second, not after the timeout (60 s) the others waited for it in a barrier; a loop that goes on stays in step."""
+    found = run_ranks(a_rank_that_cannot_write_its_slices, 2, tmp_path, str(tmp_path / "ckpt"), timeout=240)
+    for strategy in ("zero1", "zero2", "zero3"):
+        errors = {rank[strategy]["error"] for rank in found}
+        assert len(errors) == 1, errors  # the same words on every rank
+        (error,) = errors
+        assert error is not None and "rank 1 could not write" in error and "shard-00001.pt" in error, error
+        assert "File too large (errno 27)" in error and "Nothing was published" in error, error
+        assert max(rank[strategy]["seconds"] for rank in found) < 5, found
+        # the failed checkpoint left nothing, not even its hidden directory; the next one is whole
+        assert found[0][strategy]["entries"] == ["epoch-0000-step-000002"], found[0][strategy]
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_zero3_saves_one_sharded_checkpoint_and_resume_ends_as_the_uninterrupted_run(
+    tmp_path, uninterrupted
+):
+    """Ctrl-C at step 100 of RESTART_RUN under zero3: every rank stops after the same step and writes its slices of
+    one checkpoint, one line says where; --resume latest trains the remaining steps to the uninterrupted model."""
+    directory = tmp_path / "ckpt"
+    run = _without(_without(_as("zero3"), "--quiet"), "--max-steps", 1)  # each invocation gets its own
+    run += ("--checkpoint-dir", str(directory))
+    env = {"OMP_NUM_THREADS": "1"}
+    proc = start_cli("train", *run, "--max-steps", "240", "--log-every", "10", env=env)
+    seen = _interrupt_after(proc, "Epoch 0, Step 100,")
+    workers = descendants(proc.pid)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "interrupted" not in err and "Signal" not in err, err  # no line per rank
+    step, saved = _stopped_at(seen + out)
+    assert 100 < step < 240 and is_sharded_checkpoint(saved), saved
+    assert sorted(p.name for p in saved.iterdir()) == ["index.pt", "shard-00000.pt", "shard-00001.pt"]
+    assert read_plain(saved)["global_step"] == step and latest_checkpoint(directory) == saved
+    assert not list(directory.glob(".*.partial"))
+    for pid in workers:  # the launcher, torchrun and both ranks are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    metrics = tmp_path / "m.json"
+    rest = ("--max-steps", str(240 - step), "--quiet", "--metrics-out", str(metrics), "--resume", "latest")
+    resumed = run_cli("train", *run, *rest, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    result = json.loads(metrics.read_text())
+    assert result["resumed_from"] == str(saved) and result["steps"] == 240 - step
+    assert result["model_fingerprint"] == uninterrupted
+
+
+# an MLP of 11.9M parameters under zero2 on 2 ranks: each rank's slices are a 24 MB file, written in a few tenths
+BIG_SHARDED = ("--strategy", "zero2", "--nproc-per-node", "2", *BIG, "--epochs", "1", "--checkpoint-every", "2")
+BIG_SHARDED += ("--keep-checkpoints", "50")
+
+
+def _shard_temporary(directory: Path, rank: int) -> int | None:
+    """The pid of the process writing rank ``rank``'s slices of a checkpoint in ``directory`` (the temporary file
+    of ``shard-0000r.pt`` names it), once a checkpoint is complete there; None otherwise."""
+    if not list_checkpoints(directory):
+        return None
+    for partial in directory.glob(".*.partial"):
+        with contextlib.suppress(OSError):
+            for name in os.listdir(partial):
+                if name.startswith(f".shard-{rank:05d}.pt.") and name.endswith(".tmp"):
+                    return int(name.split(".")[-3])
+    return None
+
+
+@pytest.fixture(scope="module")
+def killed_mid_write(tmp_path_factory) -> dict:
+    """A zero2 run whose rank 1 is SIGKILLed while it writes its slices of the second checkpoint (the first is
+    complete): its directory, its output, how long the job took to end after the kill."""
+    directory = tmp_path_factory.mktemp("killed-mid-write") / "ckpt"
+    proc = start_cli("train", *BIG_SHARDED, "--checkpoint-dir", str(directory), env={"OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 180
+    try:
+        while (pid := _shard_temporary(directory, 1)) is None:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no slices to interrupt within 180 s"
+            time.sleep(0.002)
+        assert pid == worker_with_rank(proc.pid, 1)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        finish(proc, expect=None)
+    return {"directory": directory, "output": out + err, "seconds": time.monotonic() - killed, "code": proc.returncode}
+
+
+def _copy_of(run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(run, copy)
+    return copy
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_writing_its_slices_ends_the_job_in_seconds_and_resume_takes_the_previous_one(
+    killed_mid_write, tmp_path
+):
+    output, directory = killed_mid_write["output"], killed_mid_write["directory"]
+    assert killed_mid_write["code"] == 128 + signal.SIGKILL, output  # the first failed rank's: rank 1's signal
+    assert "rank 1 was killed by SIGKILL" in output and "rank 0 was stopped by the launcher" in output, output
+    assert killed_mid_write["seconds"] < 15, output  # the launcher stops rank 0 at once, not at the timeout (300 s)
+    (partial,) = directory.glob(".*.partial")  # the damaged one, hidden: no name a checkpoint has
+    (previous,) = list_checkpoints(directory)
+    assert partial.name == f".{checkpoint_name(0, 4).removesuffix('.pt')}.partial" and _step(previous) == 2
+    verify_sharded(previous)  # every slice of the previous one is there and matches its digest
+    copy = _copy_of(directory, tmp_path)
+    more = ("--resume", "latest", "--max-steps", "1", "--metrics-out", str(tmp_path / "m.json"))
+    resumed = run_cli("train", *BIG_SHARDED, "--checkpoint-dir", str(copy), *more, env={"OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "m.json").read_text())["resumed_from"] == str(copy / previous.name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs a file-size limit (POSIX)")
+def test_a_write_error_under_zero2_names_each_rank_and_path_and_publishes_nothing(killed_mid_write, tmp_path):
+    """Resumed with a 5 MB file-size limit on every process: the first save fails on both ranks."""
+    directory = _copy_of(killed_mid_write["directory"], tmp_path)
+    (previous,) = list_checkpoints(directory)
+    files = {path.name: path.read_bytes() for path in previous.iterdir()}
+    command = cli_command("train", *BIG_SHARDED, "--checkpoint-dir", str(directory), "--resume", "latest")
+    failed = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, preexec_fn=lambda: _limit_file_size(5_000_000)
+    )
+    assert failed.returncode == 1, failed.stderr
+    assert "Traceback" not in failed.stderr
+    # resumed from step 2 (not from the half-written step 4), the save at step 4 failed on both ranks
+    lost = directory / checkpoint_name(0, 4).removesuffix(".pt")
+    for rank in (0, 1):
+        partial = directory / f".{lost.name}.partial" / f"shard-{rank:05d}.pt"
+        assert f"rank {rank} could not write {partial}: File too large (errno 27)" in failed.stderr, failed.stderr
+    assert f"paratrain train: error: checkpoint {lost} was not written" in failed.stderr
+    assert list_checkpoints(directory) == [previous]
+    assert {path.name: path.read_bytes() for path in previous.iterdir()} == files  # intact, to the byte
+    assert not list(directory.glob(".*")), list(directory.glob(".*"))  # no partial directory or file left
+
+
+def _remove_a_slice_file(checkpoint: Path) -> None:
+    (checkpoint / "shard-00001.pt").unlink()
+
+
+def _change_a_slice(checkpoint: Path) -> None:
+    shard = checkpoint / "shard-00001.pt"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # inside the tensor data (the file is 24 MB of it): the same size, other values
+    shard.write_bytes(bytes(raw))
+
+
+def _truncate_the_index(checkpoint: Path) -> None:
+    index = checkpoint / "index.pt"
+    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
+
+
+DAMAGES = {
+    "a slice file removed": (_remove_a_slice_file, "shard-00001.pt is missing, the index says"),
+    "a slice's bytes changed": (_change_a_slice, "is damaged: a slice in shard-00001.pt does not match its digest"),
+    "the index cut short": (_truncate_the_index, "index.pt is truncated or corrupt"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_sharded_checkpoint_is_refused_before_any_rank_trains(killed_mid_write, tmp_path, damage):
+    """A real zero2 checkpoint damaged by hand: --resume latest names what is wrong and trains no step (a file
+    missing or of the wrong size and the index are checked before the ranks start; a slice's digest as it is read)."""
+    directory = _copy_of(killed_mid_write["directory"], tmp_path)
+    (previous,) = list_checkpoints(directory)
+    spoil, said = DAMAGES[damage]
+    spoil(previous)
+    run = _without(BIG_SHARDED, "--quiet")
+    result = run_cli("train", *run, "--log-every", "1", "--checkpoint-dir", str(directory), "--resume", "latest")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and said in result.stderr and str(directory) in result.stderr
+    assert "Step " not in result.stdout, result.stdout  # not one step trained
+    assert list_checkpoints(directory) == [previous]  # nothing written

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from paratrain.checkpoint.file import load_checkpoint, save_checkpoint, state_digest
+from paratrain.checkpoint.file import _first_line, _os_error_in, load_checkpoint, save_checkpoint, state_digest
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.files import atomic_writer
 
@@ -153,22 +153,47 @@ def save_sharded(
     rank: int,
     world_size: int,
     barrier: Callable[[], None],
+    agree: Callable[[str | None], dict[int, str]] | None = None,
 ) -> Path:
     """Write ``state`` as the sharded checkpoint ``directory/name``; every rank calls it; returns the directory.
 
     Each rank writes its own slices and owned values; rank 0 writes the plain values and the index, then
     renames the checkpoint into place (replacing one of the same name). ``barrier`` waits for every rank.
+    ``agree``, where the ranks share a store, replaces the barrier at each of the save's three meeting points
+    (the directory made, the slices written, the checkpoint published): every rank calls it with what went wrong
+    on it (None: nothing) and gets every rank's failure by rank, so a rank that failed is named to the others at
+    once and every rank raises the same error, instead of the others waiting for it in a barrier until the
+    timeout (:meth:`paratrain.comm.meeting.Meeting.exchange`). Without it a rank that fails raises alone.
 
     Raises:
-        CheckpointError: a file could not be written (the previous checkpoint of that name stays), or the ranks'
-            slices do not cover their tensors exactly once.
+        CheckpointError: a file could not be written (the previous checkpoint of that name stays, nothing is
+            published), or the ranks' slices do not cover their tensors exactly once.
     """
     directory = Path(directory)
     final, partial = directory / name, directory / f".{name}.partial"
+
+    def meet(failure: str | None, cause: BaseException | None = None) -> None:
+        """Every rank's next meeting point: raise, on every rank, if any rank failed (``cause``: this one's error)."""
+        if agree is None:
+            if failure is not None:
+                raise CheckpointError(_failed(final, {rank: failure})) from cause
+            barrier()
+            return
+        failed = agree(failure)
+        if failed:
+            if rank == 0:  # every rank is past its writes: nothing is left half-written under any name
+                shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(_failed(final, failed)) from cause
+
+    failure: str | None = None
+    cause: BaseException | None = None
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
-        partial.mkdir(parents=True)
-    barrier()
+        try:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+            partial.mkdir(parents=True)
+        except OSError as exc:
+            failure, cause = f"rank 0 could not make {partial}: {_reason(exc)}", exc
+    meet(failure, cause)
     parts = _Parts()
     plain = _split(state, (), parts)
     data: dict[int, torch.Tensor] = {}
@@ -180,23 +205,46 @@ def save_sharded(
             data[key] = flat
             digest = state_digest({"slice": flat})
             records.append((path, tuple(value.shape), _dtype_name(value.dtype), start, flat.numel(), key, digest))
+    writing = partial / _shard_file(rank)
     try:
-        with atomic_writer(partial / _shard_file(rank), "wb", durable=True) as stream:
+        with atomic_writer(writing, "wb", durable=True) as stream:
             torch.save(data, stream)
-        with atomic_writer(partial / f"shard-{rank:05d}.meta.pt", "wb", durable=True) as stream:
+        writing = partial / f"shard-{rank:05d}.meta.pt"
+        with atomic_writer(writing, "wb", durable=True) as stream:
             torch.save({"records": records, "owned": parts.owned}, stream)
-    except OSError as exc:
-        raise CheckpointError(
-            f"rank {rank} could not write its slices of checkpoint {final} ({exc.strerror or exc}); the checkpoints "
-            f"already in {directory} are intact. Check free space and permissions there"
-        ) from exc
-    barrier()
+    except Exception as exc:  # torch's zip writer reports a failed write as a RuntimeError, the OSError inside
+        if agree is None and not isinstance(_os_error_in(exc), OSError):
+            raise
+        failure, cause = f"rank {rank} could not write {writing}: {_reason(exc)}", exc
+    meet(failure, cause)
     if rank == 0:
-        index = _index(partial, plain, world_size, parts.aliases)  # every rank's aliases are rank 0's
-        save_checkpoint(index, partial, INDEX)
-        _publish(partial, final)
-    barrier()
+        try:
+            index = _index(partial, plain, world_size, parts.aliases)  # every rank's aliases are rank 0's
+            save_checkpoint(index, partial, INDEX)
+            _publish(partial, final)
+        except Exception as exc:
+            if agree is None:
+                raise
+            failure, cause = f"rank 0 could not publish it: {_reason(exc)}", exc
+    meet(failure, cause)
     return final
+
+
+def _reason(exc: BaseException) -> str:
+    """What the operating system said (``File too large (errno 27)``), or the exception's first sentence."""
+    found = _os_error_in(exc)
+    if found is not None:
+        return f"{found.strerror or found} (errno {found.errno})"
+    return _first_line(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _failed(final: Path, failed: Mapping[int, str]) -> str:
+    """The error every rank raises when one of them failed: the same words on each, naming every rank that did."""
+    said = "; ".join(failed[r] for r in sorted(failed))
+    return (
+        f"checkpoint {final} was not written: {said}. Nothing was published, and the checkpoints already in "
+        f"{final.parent} are intact. Check free space, file-size limits and permissions there"
+    )
 
 
 def _index(partial: Path, plain: Any, world_size: int, aliases: list[tuple[Path_, Path_]]) -> dict[str, Any]:
@@ -311,16 +359,21 @@ class _Reader:
         self._files: dict[str, dict[int, torch.Tensor]] = {}
         self.verified: set[tuple[str, int]] = set()  # (file, key): the slices read so far
 
+    def check_size(self, file: str) -> None:
+        """Raise CheckpointError when ``file`` is missing or not the size the index says (a stat, nothing read)."""
+        path = self.directory / file
+        size = path.stat().st_size if path.is_file() else None
+        if size != self.sizes.get(file):
+            found = "missing" if size is None else f"{size} bytes"
+            raise CheckpointError(
+                f"checkpoint {self.directory}: {file} is {found}, the index says {self.sizes.get(file)} bytes "
+                f"(cut short, removed or replaced): resume from an earlier checkpoint"
+            )
+
     def slice(self, file: str, key: int, digest: str) -> torch.Tensor:
         if file not in self._files:
+            self.check_size(file)
             path = self.directory / file
-            size = path.stat().st_size if path.is_file() else None
-            if size != self.sizes.get(file):
-                found = "missing" if size is None else f"{size} bytes"
-                raise CheckpointError(
-                    f"checkpoint {self.directory}: {file} is {found}, the index says {self.sizes.get(file)} bytes "
-                    f"(cut short, or replaced): resume from an earlier checkpoint"
-                )
             try:
                 self._files[file] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:
@@ -376,7 +429,8 @@ def open_sharded(path: str | Path) -> dict[str, Any]:
     """The state of the sharded checkpoint at ``path``, its sliced tensors as :class:`StoredTensor` (nothing read yet).
 
     Raises:
-        CheckpointError: no index, an index that is damaged or of a newer layout.
+        CheckpointError: no index, an index that is damaged or of a newer layout, a shard file missing or not
+            the size the index says (the slices' digests are checked as they are read).
     """
     path = Path(path)
     if not is_sharded_checkpoint(path):
@@ -390,6 +444,8 @@ def open_sharded(path: str | Path) -> dict[str, Any]:
             f"{LAYOUT_VERSION}): upgrade paratrain to resume from it"
         )
     reader = _Reader(path, index["files"])
+    for file in index["files"]:  # a file removed or cut short is refused at once, before any process trains
+        reader.check_size(file)
     state: dict[str, Any] = index["state"]
     for entry in index["tensors"]:
         stored = StoredTensor(reader, entry)

@@ -12,6 +12,7 @@ collective of its own, outside paratrain's) is found by the timeout.
     meeting.attend("sharded-save", range(n), "par.save()", refuse=lambda gone: f"... {gone} went on ...")
     meeting.announce("save-ab12", "written")                # rank 0 wrote the file; the others wait for its word:
     meeting.attend("save-ab12", [0], "par.save()", refuse=..., come=False)
+    meeting.exchange("sharded-write", "written", range(n), "par.save()", refuse=..., sync=par.barrier)  # every word
 """
 
 from __future__ import annotations
@@ -70,6 +71,29 @@ class Meeting:
             if come:
                 self._store.delete_key(self._key(point, self.rank))  # type: ignore[attr-defined]
             raise
+
+    def exchange(
+        self,
+        name: str,
+        value: str,
+        ranks: Iterable[int],
+        what: str,
+        refuse: Callable[[dict[int, str]], str],
+        *,
+        sync: Callable[[], None],
+    ) -> dict[int, str]:
+        """Post ``value`` at the next meeting called ``name``, call ``sync`` (a barrier every one of ``ranks``
+        calls), then read what each of them posted (there already: no waiting). A rank that failed posts its
+        failure and still comes, so the others learn of it at once instead of at the timeout; ``sync`` being a
+        collective, a peer that died fails it at once too (a wait in the store would only see that at the timeout).
+
+        Raises:
+            ConfigError, CollectiveError: as :meth:`wait_for`; and whatever ``sync`` raises.
+        """
+        point = self._next(name)
+        self.post(point, value)
+        sync()
+        return self.wait_for(point, ranks, what, refuse)
 
     def announce(self, name: str, value: str) -> None:
         """Tell the ranks waiting at the next meeting called ``name`` (``attend(..., come=False)``) ``value``."""

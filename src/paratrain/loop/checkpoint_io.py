@@ -13,6 +13,7 @@ loads under any strategy and world size.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from paratrain.checkpoint.file import load_checkpoint, save_checkpoint
 from paratrain.checkpoint.sharded import is_sharded_checkpoint, materialize, open_sharded, save_sharded
+from paratrain.comm.meeting import Meeting
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.strategies import Strategy
 from paratrain.tree import map_tensors
@@ -42,8 +44,10 @@ def save_state(strategy: Strategy, state: dict[str, Any], path: str | Path) -> P
         _refuse_a_shard(value)
     meeting = strategy.meeting
     if strategy.shards_checkpoints and any(isinstance(v, nn.Module | torch.optim.Optimizer) for v in state.values()):
+        agree = None
         if meeting is not None:  # before any collective: a rank that went on is named, and nothing is half-written
             meeting.attend("sharded-save", range(strategy.world_size), "par.save()", lambda g: _every_rank(strategy, g))
+            agree = _agreement(strategy, meeting)
         converted = {key: _state_of(strategy, value) for key, value in state.items()}
         name = target.name.removesuffix(".pt")
         directory = save_sharded(
@@ -53,6 +57,7 @@ def save_state(strategy: Strategy, state: dict[str, Any], path: str | Path) -> P
             rank=strategy.rank,
             world_size=strategy.world_size,
             barrier=strategy.barrier,
+            agree=agree,
         )
         return directory if strategy.is_main else None
     if meeting is None:  # one process (or a group without a store: every rank calls it, and meets at a barrier)
@@ -78,6 +83,27 @@ def save_state(strategy: Strategy, state: dict[str, Any], path: str | Path) -> P
 
 
 _WRITTEN = "written"
+
+
+def _agreement(strategy: Strategy, meeting: Meeting) -> Callable[[str | None], dict[int, str]]:
+    """``save_sharded``'s ``agree``: each rank's word (``written``, or why not) in the store, then the strategy's
+    barrier, which a rank that failed still comes to (and a peer that died fails at once); every rank's failure."""
+
+    def agree(failure: str | None) -> dict[int, str]:
+        words = meeting.exchange(
+            "sharded-write",
+            _WRITTEN if failure is None else failure,
+            range(strategy.world_size),
+            "par.save()",
+            lambda gone: _every_rank(strategy, gone),
+            sync=strategy.barrier,
+        )
+        failed = {rank: word for rank, word in words.items() if word != _WRITTEN}
+        if failure is not None:
+            failed[strategy.rank] = failure
+        return failed
+
+    return agree
 
 
 def _every_rank(strategy: Strategy, gone: dict[int, str]) -> str:
