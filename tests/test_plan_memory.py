@@ -119,6 +119,6 @@ def test_bad_sizes_and_the_fewest_devices():
     # 12Ψ: ddp never (16Ψ); zero1 from N=3 (8Ψ + 8Ψ/3); zero2 from N=4 (4Ψ + 12Ψ/4, and its three buckets in
     # flight while backward runs, 4Ψ for a model this small)
     fit = smallest_fit(rows, int(12 * psi))
-    # zero3 (16Ψ/N) never here: its three units are the whole model, held whole in flight (weights and
-    # gradients, 8Ψ) while backward runs
-    assert fit == {"ddp": None, "zero1": 3, "zero2": 4, "zero3": None}
+    # zero3 (16Ψ/N) from N=4 only: in flight while backward runs it holds two of its three units' weights whole
+    # and two units' whole gradients (the one filling, the one reducing: MAX_REDUCING + 1)
+    assert fit == {"ddp": None, "zero1": 3, "zero2": 4, "zero3": 4}
