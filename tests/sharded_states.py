@@ -10,6 +10,7 @@ is rank 0's. Reading it back gives ``whole``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +48,25 @@ def rank_state(whole: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
     return state
 
 
-def save_as(world: int, directory: Path, whole: dict[str, Any], name: str = "epoch-0001-step-000000") -> Path:
-    """``whole`` as the sharded checkpoint ``directory/name`` that ``world`` ranks write; its path."""
+def save_in_threads(
+    world: int,
+    directory: Path,
+    name: str,
+    state_of: Callable[[int], dict[str, Any]],
+    fail: Callable[[int], None] | None = None,
+) -> Path:
+    """Every rank of ``world`` saving ``state_of(rank)`` in its own thread, meeting at a barrier as the ranks of a
+    job do (``fail(rank)`` first: a rank that raises ends the others' waits, as a dead rank ends a job)."""
     barrier = threading.Barrier(world)
     errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
         try:
-            state = rank_state(whole, world, rank)
-            save_sharded(state, directory, name, rank=rank, world_size=world, barrier=barrier.wait)
+            if fail is not None:
+                fail(rank)
+            save_sharded(state_of(rank), directory, name, rank=rank, world_size=world, barrier=barrier.wait)
+        except threading.BrokenBarrierError:
+            pass
         except BaseException as exc:
             errors.append(exc)
             barrier.abort()
@@ -68,3 +79,8 @@ def save_as(world: int, directory: Path, whole: dict[str, Any], name: str = "epo
     if errors:
         raise errors[0]
     return directory / name
+
+
+def save_as(world: int, directory: Path, whole: dict[str, Any], name: str = "epoch-0001-step-000000") -> Path:
+    """``whole`` as the sharded checkpoint ``directory/name`` that ``world`` ranks write; its path."""
+    return save_in_threads(world, directory, name, lambda rank: rank_state(whole, world, rank))

@@ -6,7 +6,6 @@ that reads it must see exactly that state, reading only the slices its pieces ov
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from paratrain.checkpoint.sharded import (
 from paratrain.ddp.buckets import Bucket
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.sharded.partition import shard_bucket
+from sharded_states import save_in_threads
 
 SHAPES = {"w": (5, 7), "b": (7,), "v": (3, 3, 2)}  # one bucket: w, b, v back to back
 
@@ -97,30 +97,7 @@ def _save_as(
     world: int, directory: Path, name: str, whole: dict[str, Any], fail: Callable[[int], None] | None = None
 ) -> Path:
     """Every rank of ``world`` saving in its own thread, meeting at a barrier as the ranks of a job do."""
-    barrier = threading.Barrier(world)
-    errors: list[BaseException] = []
-
-    def rank_main(rank: int) -> None:
-        try:
-            if fail is not None:
-                fail(rank)
-            save_sharded(
-                _rank_state(whole, world, rank), directory, name, rank=rank, world_size=world, barrier=barrier.wait
-            )
-        except threading.BrokenBarrierError:
-            pass
-        except BaseException as exc:
-            errors.append(exc)
-            barrier.abort()  # a rank that fails ends the others' waits, as a dead rank ends a job
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return directory / name
+    return save_in_threads(world, directory, name, lambda rank: _rank_state(whole, world, rank), fail)
 
 
 def _equal(a: Any, b: Any) -> bool:
