@@ -124,6 +124,11 @@ def test_a_meta_model_is_materialised_as_a_plain_build_and_trains_as_ddp(two):
             assert r[f"{name}_equal"], name  # the weights a plain build with the same seed has
             assert r[f"{name}_tied"]
             assert r[f"{name}_trains_as_ddp"], name  # the optimizer built over the meta model steps the new weights
+        # nanoGPT inside par.init_module(): zero3 replays its construction (apply(init) and all), ddp builds it
+        assert r["nanogpt_zero3_on_meta"] and not r["nanogpt_ddp_on_meta"]
+        for strategy in ("zero3", "ddp"):
+            assert r[f"nanogpt_{strategy}_equal"] and r[f"nanogpt_{strategy}_next_draw"], strategy
+        assert r["nanogpt_trains_as_ddp"]
 
 
 def test_two_ranks_reduce_the_gradients_bit_for_bit_as_ddp(two):

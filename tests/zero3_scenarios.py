@@ -393,6 +393,41 @@ def meta_init(rank: int, world: int) -> dict[str, Any]:
             meta_after = state_of(par, net)
         ddp_after = train("ddp", name, optimizer="sgd", steps=2)["after"][-1]
         found[f"{name}_trains_as_ddp"] = all(torch.equal(meta_after[k], ddp_after[k]) for k in ddp_after)
+    found |= _recorded_nanogpt()
+    return found
+
+
+def _recorded_nanogpt() -> dict[str, Any]:
+    """nanoGPT built inside ``par.init_module()`` (its own LayerNorm, ``apply(init)``, scaled c_proj, tied head):
+    under zero3 on the meta device and replayed, under ddp as written; both train alike from a plain build's
+    weights, and the script's next draw after building is the plain build's."""
+    from nanogpt_shaped import Block as NanoBlock
+    from nanogpt_shaped import NanoGPT
+
+    torch.manual_seed(0)
+    plain = {k: v.detach().clone() for k, v in NanoGPT().state_dict().items()}
+    plain_next = torch.randn(4)
+    found: dict[str, Any] = {}
+    after = {}
+    for strategy in ("zero3", "ddp"):
+        with parallel(strategy, "gpt", units=[NanoBlock]) as par:
+            torch.manual_seed(0)
+            with par.init_module():
+                net = NanoGPT()
+            found[f"nanogpt_{strategy}_next_draw"] = torch.equal(torch.randn(4), plain_next)
+            found[f"nanogpt_{strategy}_on_meta"] = all(p.is_meta for p in net.parameters())
+            opt = optimizer_for("sgd", net)
+            net, opt = par.prepare(net, opt)
+            state = state_of(par, net)
+            found[f"nanogpt_{strategy}_equal"] = state.keys() == plain.keys() and all(
+                torch.equal(state[k], plain[k]) for k in plain
+            )
+            for x, y in par.prepare(batches("gpt", 2)):
+                par.backward(loss_of(net(x), y))
+                opt.step()
+                opt.zero_grad()
+            after[strategy] = state_of(par, net)
+    found["nanogpt_trains_as_ddp"] = all(torch.equal(after["zero3"][k], after["ddp"][k]) for k in after["ddp"])
     return found
 
 

@@ -215,6 +215,20 @@ class Parallel:
 
     # -- preparing the loop's objects -------------------------------------------------------------------------
 
+    @contextmanager
+    def init_module(self) -> Iterator[None]:
+        """Build the model inside it: as written under every strategy but zero3, where it is built on the meta
+        device and its construction recorded (every ``reset_parameters()``, ``apply(init)``, ``torch.ones``), then
+        replayed by :meth:`prepare` unit by unit with the same random draws, so the whole model never exists on
+        one rank and its weights are a plain build's; the generator ends where a plain build leaves it::
+
+            with par.init_module():
+                model = GPT(config)
+            model, optimizer = par.prepare(model, torch.optim.AdamW(model.parameters()))
+        """
+        with self.strategy.init_module():
+            yield
+
     def prepare(self, *objects: Any) -> Any:
         """Wrap models, keep optimizers, and make loaders deliver this process's batches on :attr:`device`.
 

@@ -25,6 +25,7 @@ from torch import nn
 from paratrain.comm.process_groups import keep_forever, wait_work
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.flat_unit import ShardedUnit
+from paratrain.sharded.init_record import InitRecord, find_record, storage_key
 from paratrain.sharded.units import UnitPlan
 
 __all__ = ["check_same_everywhere", "materialize_units"]
@@ -61,9 +62,16 @@ def materialize_units(
     new ones by :meth:`paratrain.strategies.fully_sharded.Zero3Strategy.wrap_optimizer`); returns the units and the
     new parameters by the old ones' ``id``.
 
+    A model built under :func:`paratrain.sharded.init_record.record_init` (``Parallel.init_module()``) is
+    materialised by replaying its construction instead (:func:`materialize_recorded`): any initialisation the
+    script ran, ``reset_parameters()`` or not.
+
     Raises:
         ConfigError: a module owning parameters or buffers without ``reset_parameters()``.
     """
+    record = find_record([t for t in (*model.parameters(), *model.buffers()) if t.is_meta])
+    if record is not None:
+        return materialize_recorded(model, plan, record, device, rank, world_size)
     modules = [(name, m) for name, m in model.named_modules() if _own(m)]
     missing = [name or "(the root)" for name, m in modules if not callable(getattr(m, "reset_parameters", None))]
     if missing:
@@ -106,6 +114,62 @@ def materialize_units(
             unit.free()
             done[k] = unit
     return [unit for unit in done if unit is not None], replaced
+
+
+def materialize_recorded(
+    model: nn.Module, plan: Sequence[UnitPlan], record: InitRecord, device: torch.device, rank: int, world_size: int
+) -> tuple[list[ShardedUnit], dict[int, nn.Parameter]]:
+    """:func:`materialize_units` for a model whose construction ``record`` holds: the construction replayed on
+    ``device`` one storage at a time, each parameter's final value copied into this rank's part of its unit's
+    shard as soon as it is known (no unit's whole buffer is ever allocated beyond its construction), each buffer
+    kept whole."""
+    where: dict[int, nn.Parameter] = {}  # a parameter (the new one, by id) -> the meta one it replaces
+    for p in model.parameters():
+        if p.is_meta:
+            where[id(p)] = p
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None and b.is_meta]
+    replaced = _replace_parameters(model, device)
+    meta_of = {id(new): where[old] for old, new in replaced.items()}
+    plan = [dataclasses.replace(unit, params=tuple(replaced.get(id(p), p) for p in unit.params)) for unit in plan]
+    units = []
+    for k, unit_plan in enumerate(plan):
+        unit = ShardedUnit(k, unit_plan, rank, world_size, device=device)
+        unit.free()  # the construction's zeros: this rank's part is written below, parameter by parameter
+        units.append(unit)
+    slots: dict[int, list[tuple[ShardedUnit, int]]] = {}  # a storage -> the unit parameters that view it
+    for unit in units:
+        for i, p in enumerate(unit.params):
+            slots.setdefault(storage_key(meta_of[id(p)]), []).append((unit, i))
+    wanted: dict[int, list[tuple[nn.Module, str, torch.Tensor]]] = {}
+    for module, name, b in buffers:
+        wanted.setdefault(storage_key(b), []).append((module, name, b))
+    sums = [0.0] * len(units)
+    written: set[tuple[int, int]] = set()
+
+    def finalize(key: int, flat: torch.Tensor) -> None:
+        for unit, i in slots.get(key, []):
+            meta = meta_of[id(unit.params[i])]
+            value = flat.as_strided(meta.shape, meta.stride(), meta.storage_offset()).reshape(-1)
+            start, end = unit.offsets[i], unit.offsets[i] + value.numel()
+            mine = unit.rank * unit.part
+            low, high = max(start, mine), min(end, mine + unit.part)
+            if low < high:
+                unit.shard[low - mine : high - mine].copy_(value[low - start : high - start])
+            sums[unit.index] += float(value.double().sum())
+            written.add((unit.index, i))
+        for module, name, b in wanted.get(key, []):
+            module._buffers[name] = flat.as_strided(b.shape, b.stride(), b.storage_offset()).clone()
+
+    record.replay(device, finalize)
+    missing = [u.names[i] for u in units for i in range(len(u.params)) if (u.index, i) not in written]
+    if missing:
+        raise ConfigError(
+            f"the model's construction, replayed, never made the parameters {missing[:6]}: build the model inside "
+            f"Parallel.init_module() (all of it), or on a real device"
+        )
+    for unit, total in zip(units, sums, strict=True):
+        unit.checksum = total
+    return units, replaced
 
 
 def check_same_everywhere(units: Sequence[ShardedUnit], group: object, device: torch.device) -> None:

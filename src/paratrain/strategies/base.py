@@ -188,6 +188,11 @@ class Strategy(ABC):
         """Every device of every process, in rank order (this process's devices in one process)."""
         return [str(d) for d in self.devices]
 
+    @contextmanager
+    def init_module(self) -> Iterator[None]:
+        """Where the model is built (``Parallel.init_module``): as written, on the CPU; zero3 records it on meta."""
+        yield
+
     def describe(self) -> str:
         """A short label for logs and results, e.g. ``dp on cpu, cpu, cpu``."""
         return f"{self.name} on {', '.join(str(d) for d in self.devices)}"

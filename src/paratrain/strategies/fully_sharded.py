@@ -28,6 +28,7 @@ from paratrain.ddp.options import DDPOptions, Refusal
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import CheckpointError
 from paratrain.sharded.fully_sharded import FullyShardedDataParallel
+from paratrain.sharded.init_record import InitRecord, record_init
 from paratrain.sharded.optimizer import OwnedPiece
 from paratrain.sharded.units import DEFAULT_MIN_PARAMS, UnitSpec
 from paratrain.strategies.sharded import ShardedStrategy
@@ -106,9 +107,18 @@ class Zero3Strategy(ShardedStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self._sharded: list[FullyShardedDataParallel] = []
+        self._records: list[InitRecord] = []
 
     def describe(self) -> str:
         return f"zero3, {self.world_size} processes, on {self._device.type}"
+
+    @contextmanager
+    def init_module(self) -> Iterator[None]:
+        """The model built on the meta device, its construction recorded: ``prepare`` replays it unit by unit,
+        each rank keeping its shards (paratrain.sharded.init_record), with a plain build's weights."""
+        with record_init() as record:
+            self._records.append(record)  # prepare finds it by the model's tensors (a weak registry)
+            yield
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))

@@ -1,0 +1,86 @@
+"""A model's construction recorded on the meta device and replayed (paratrain.sharded.init_record), in one process:
+the weights and the generator a plain build leaves, a tensor at a time, and zero3 at world size 1 from it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanogpt_shaped import NanoGPT
+from paratrain.sharded.fully_sharded import FullyShardedDataParallel
+from paratrain.sharded.init_record import record_init
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _plain(build):
+    torch.manual_seed(0)
+    model = build()
+    return model, torch.randn(5)  # the script's next draw
+
+
+def _recorded(build):
+    torch.manual_seed(0)
+    with record_init() as record:
+        model = build()
+    return model, torch.randn(5), record
+
+
+class _Padded(nn.Module):
+    """A view written in place (Embedding's padding row), a buffer made by a factory, a weight copied from a
+    tensor computed on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, padding_idx=3)
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("table", torch.arange(6.0) * 0.5)
+        self.proj = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(4, 4) * 0.1 + torch.eye(4))
+
+
+def test_a_replayed_nanogpt_has_the_plain_builds_weights_and_leaves_the_generator_where_it_does():
+    plain, plain_next = _plain(NanoGPT)
+    model, model_next, record = _recorded(NanoGPT)
+    assert all(p.is_meta for p in model.parameters())
+    assert torch.equal(model_next, plain_next)  # the generator moved on as the plain build moved it
+    values = {}
+    record.replay(torch.device("cpu"), lambda key, flat: values.__setitem__(key, flat.clone()))
+    assert len(values) == len(record.storages)
+    # the init drew from the generator in the plain build's order: compare each parameter's final value
+    for (name, p), (_, q) in zip(plain.named_parameters(), model.named_parameters(), strict=True):
+        flat = values[int(q.untyped_storage()._cdata)]
+        assert torch.equal(flat.as_strided(q.shape, q.stride(), q.storage_offset()), p.detach()), name
+
+
+def test_views_buffers_and_copies_from_meta_tensors_are_replayed(group):
+    plain, _ = _plain(_Padded)
+    model, _, _ = _recorded(_Padded)
+    net = FullyShardedDataParallel(model, min_params=1)
+    assert _same(net.module.state_dict(), plain.state_dict())
+    assert not plain.emb.weight[3].any()
+    net.close()
+
+
+def test_zero3_at_one_rank_materialises_a_recorded_nanogpt_as_the_plain_build(group):
+    plain, _ = _plain(NanoGPT)
+    model, _, _ = _recorded(NanoGPT)
+    net = FullyShardedDataParallel(model, min_params=1000)
+    assert _same(net.module.state_dict(), plain.state_dict())
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    net.close()
+
+
+def test_a_replay_holds_a_tensor_or_two_at_a_time_not_the_model():
+    def build() -> nn.Module:  # each layer's weights drawn twice: by its constructor, then by apply(init)
+        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))
+        model.apply(lambda m: nn.init.normal_(m.weight, std=0.02) if isinstance(m, nn.Linear) else None)
+        return model
+
+    _, _, record = _recorded(build)
+    record.replay(torch.device("cpu"))
+    layer = (256 * 256 + 256) * 4
+    assert record.peak_bytes <= 2 * layer < 8 * layer, record.peak_bytes
