@@ -283,10 +283,11 @@ def _mtime(path: Path) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", *SHARDED])
 def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path, strategy):
-    """Two node agents (--nnodes 1:2, one process each); SIGKILL one agent's whole process tree mid-run. Under zero2
-    the survivor, alone, reads the slices both ranks wrote (every slice of the checkpoint, its own shard now)."""
+    """Two node agents (--nnodes 1:2, one process each); SIGKILL one agent's whole process tree mid-run. Under zero1,
+    zero2 and zero3 the survivor, alone, reads the slices both ranks wrote (every slice of the checkpoint, its own
+    shard now)."""
     port, directory = free_port(), tmp_path / "ckpt"
     common = (*_as(strategy, ELASTIC_RUN), "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2")
     common += ("--rdzv-id", f"lost-{strategy}")
@@ -453,13 +454,15 @@ def test_a_rank_that_cannot_write_its_slices_is_named_to_every_rank_at_once(tmp_
 
 
 @pytest.mark.slow
-def test_ctrl_c_under_zero3_saves_one_sharded_checkpoint_and_resume_ends_as_the_uninterrupted_run(
-    tmp_path, uninterrupted
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_ctrl_c_under_a_sharded_strategy_saves_one_sharded_checkpoint_and_resume_ends_as_the_uninterrupted_run(
+    tmp_path, uninterrupted, strategy
 ):
-    """Ctrl-C at step 100 of RESTART_RUN under zero3: every rank stops after the same step and writes its slices of
-    one checkpoint, one line says where; --resume latest trains the remaining steps to the uninterrupted model."""
+    """Ctrl-C at step 100 of RESTART_RUN under zero1, zero2 and zero3: every rank stops after the same step and
+    writes its slices of one checkpoint, one line says where; --resume latest trains the remaining steps to the
+    uninterrupted model."""
     directory = tmp_path / "ckpt"
-    run = _without(_without(_as("zero3"), "--quiet"), "--max-steps", 1)  # each invocation gets its own
+    run = _without(_without(_as(strategy), "--quiet"), "--max-steps", 1)  # each invocation gets its own
     run += ("--checkpoint-dir", str(directory))
     env = {"OMP_NUM_THREADS": "1"}
     proc = start_cli("train", *run, "--max-steps", "240", "--log-every", "10", env=env)
@@ -485,7 +488,8 @@ def test_ctrl_c_under_zero3_saves_one_sharded_checkpoint_and_resume_ends_as_the_
     assert result["model_fingerprint"] == uninterrupted
 
 
-# an MLP of 11.9M parameters under zero2 on 2 ranks: each rank's slices are a 24 MB file, written in a few tenths
+# an MLP of 11.9M parameters on 2 ranks (zero2 here; killed_mid_write runs it under each sharded strategy): each
+# rank's slices are a 24 MB file, written in a few tenths
 BIG_SHARDED = ("--strategy", "zero2", "--nproc-per-node", "2", *BIG, "--epochs", "1", "--checkpoint-every", "2")
 BIG_SHARDED += ("--keep-checkpoints", "50")
 
@@ -503,12 +507,14 @@ def _shard_temporary(directory: Path, rank: int) -> int | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def killed_mid_write(tmp_path_factory) -> dict:
-    """A zero2 run whose rank 1 is SIGKILLed while it writes its slices of the second checkpoint (the first is
-    complete): its directory, its output, how long the job took to end after the kill."""
-    directory = tmp_path_factory.mktemp("killed-mid-write") / "ckpt"
-    proc = start_cli("train", *BIG_SHARDED, "--checkpoint-dir", str(directory), env={"OMP_NUM_THREADS": "1"})
+@pytest.fixture(scope="module", params=SHARDED)
+def killed_mid_write(request, tmp_path_factory) -> dict:
+    """A run under each sharded strategy whose rank 1 is SIGKILLed while it writes its slices of the second
+    checkpoint (the first is complete): its command line, directory and output, how long the job took to end after
+    the kill. One launch per strategy, which the tests after it share (each on a copy of the directory)."""
+    run = _as(request.param, BIG_SHARDED)
+    directory = tmp_path_factory.mktemp(f"killed-mid-write-{request.param}") / "ckpt"
+    proc = start_cli("train", *run, "--checkpoint-dir", str(directory), env={"OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 180
     try:
         while (pid := _shard_temporary(directory, 1)) is None:
@@ -521,7 +527,8 @@ def killed_mid_write(tmp_path_factory) -> dict:
         out, err = proc.communicate(timeout=120)
     finally:
         finish(proc, expect=None)
-    return {"directory": directory, "output": out + err, "seconds": time.monotonic() - killed, "code": proc.returncode}
+    took = time.monotonic() - killed
+    return {"run": run, "directory": directory, "output": out + err, "seconds": took, "code": proc.returncode}
 
 
 def _copy_of(run: Path, tmp_path: Path) -> Path:
@@ -544,19 +551,21 @@ def test_a_rank_killed_while_writing_its_slices_ends_the_job_in_seconds_and_resu
     verify_sharded(previous)  # every slice of the previous one is there and matches its digest
     copy = _copy_of(directory, tmp_path)
     more = ("--resume", "latest", "--max-steps", "1", "--metrics-out", str(tmp_path / "m.json"))
-    resumed = run_cli("train", *BIG_SHARDED, "--checkpoint-dir", str(copy), *more, env={"OMP_NUM_THREADS": "1"})
+    run = killed_mid_write["run"]
+    resumed = run_cli("train", *run, "--checkpoint-dir", str(copy), *more, env={"OMP_NUM_THREADS": "1"})
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((tmp_path / "m.json").read_text())["resumed_from"] == str(copy / previous.name)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs a file-size limit (POSIX)")
-def test_a_write_error_under_zero2_names_each_rank_and_path_and_publishes_nothing(killed_mid_write, tmp_path):
-    """Resumed with a 5 MB file-size limit on every process: the first save fails on both ranks."""
+def test_a_write_error_on_every_rank_names_each_rank_and_path_and_publishes_nothing(killed_mid_write, tmp_path):
+    """Resumed with a 5 MB file-size limit on every process: the first save fails on both ranks (zero1, zero2,
+    zero3: the run of killed_mid_write)."""
     directory = _copy_of(killed_mid_write["directory"], tmp_path)
     (previous,) = list_checkpoints(directory)
     files = {path.name: path.read_bytes() for path in previous.iterdir()}
-    command = cli_command("train", *BIG_SHARDED, "--checkpoint-dir", str(directory), "--resume", "latest")
+    command = cli_command("train", *killed_mid_write["run"], "--checkpoint-dir", str(directory), "--resume", "latest")
     failed = subprocess.run(
         command, capture_output=True, text=True, timeout=180, preexec_fn=lambda: _limit_file_size(5_000_000)
     )
@@ -599,13 +608,14 @@ DAMAGES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_damaged_sharded_checkpoint_is_refused_before_any_rank_trains(killed_mid_write, tmp_path, damage):
-    """A real zero2 checkpoint damaged by hand: --resume latest names what is wrong and trains no step (a file
-    missing or of the wrong size and the index are checked before the ranks start; a slice's digest as it is read)."""
+    """A real checkpoint of zero1, zero2 or zero3 damaged by hand: --resume latest names what is wrong and trains no
+    step (a file missing or of the wrong size and the index are checked before the ranks start; a slice's digest as
+    it is read)."""
     directory = _copy_of(killed_mid_write["directory"], tmp_path)
     (previous,) = list_checkpoints(directory)
     spoil, said = DAMAGES[damage]
     spoil(previous)
-    run = _without(BIG_SHARDED, "--quiet")
+    run = _without(killed_mid_write["run"], "--quiet")
     result = run_cli("train", *run, "--log-every", "1", "--checkpoint-dir", str(directory), "--resume", "latest")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr and said in result.stderr and str(directory) in result.stderr
