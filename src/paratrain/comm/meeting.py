@@ -50,6 +50,7 @@ class Meeting:
         self.timeout = timeout
         self._gone = gone
         self._counts: dict[str, int] = {}
+        self._last: dict[str, frozenset[int]] = {}  # the ranks of each name's last meeting that every rank came to
 
     def attend(
         self, name: str, ranks: Iterable[int], what: str, refuse: Callable[[dict[int, str]], str], *, come: bool = True
@@ -62,15 +63,19 @@ class Meeting:
             ConfigError, CollectiveError: as :meth:`wait_for`.
         """
         point = self._next(name)
+        ranks = list(ranks)
         if come:
             self.post(point)
         try:
-            return self.wait_for(point, ranks, what, refuse)
+            posted = self.wait_for(point, ranks, what, refuse)
         except BaseException:
             self._counts[name] -= 1
             if come:
                 self._store.delete_key(self._key(point, self.rank))  # type: ignore[attr-defined]
             raise
+        if come:
+            self._forget_previous(name, ranks)
+        return posted
 
     def exchange(
         self,
@@ -91,9 +96,22 @@ class Meeting:
             ConfigError, CollectiveError: as :meth:`wait_for`; and whatever ``sync`` raises.
         """
         point = self._next(name)
+        ranks = list(ranks)
         self.post(point, value)
         sync()
-        return self.wait_for(point, ranks, what, refuse)
+        posted = self.wait_for(point, ranks, what, refuse)
+        self._forget_previous(name, ranks)
+        return posted
+
+    def _forget_previous(self, name: str, ranks: list[int]) -> None:
+        """Every one of ``ranks`` came to this meeting, so each has finished waiting at the one before: this rank's
+        key there is read by no one any more (when they are the ranks that waited there) and is deleted, so a long
+        run's meetings (one per evaluation forward under zero3) keep two keys a rank in the store, not thousands."""
+        everyone = frozenset(ranks) | {self.rank}
+        before = self._last.get(name)
+        if before is not None and before <= everyone and self._counts[name] > 1:
+            self._store.delete_key(self._key(f"{name}-{self._counts[name] - 1}", self.rank))  # type: ignore[attr-defined]
+        self._last[name] = everyone
 
     def announce(self, name: str, value: str) -> None:
         """Tell the ranks waiting at the next meeting called ``name`` (``attend(..., come=False)``) ``value``."""
