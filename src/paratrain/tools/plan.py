@@ -215,6 +215,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     local_link: Link | None = None
     fit = CommFit()
     points: list[MeasuredPoint] = []
+    raw_errors: dict[int, float] = {}
     if beyond:
         calibrate = [n for n in sizes if n > 1] or [1]
         shapes = {n: _shape(n, config.batch_size, gpus, device, per_node, cores) for n in (*calibrate, *beyond)}
@@ -252,6 +253,8 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
             model_steps[n] = simulate_step(profile, buckets, link or Link(0.0, 1.0), n)
         points = [MeasuredPoint(n, model_steps[n].step, measured[n].step_seconds) for n in calibrate if n > 1]
         fit = fit_overhead(points)
+        # what the model alone (neither compute scaled nor overhead fitted) says at the measured sizes
+        raw_errors = {n: raw_steps[n].step / measured[n].step_seconds - 1 for n in calibrate if n > 1}
     errors = fit_errors(fit, points)
 
     steps_by_n: dict[int, StepPrediction] = {}
@@ -291,7 +294,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         beyond,
         factors,
         fit,
-        points,
+        raw_errors,
         local_link,
         remote_link,
         per_node,
@@ -307,7 +310,7 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         "compute_factors": {str(n): f for n, f in factors.items()},
         "model_before_fit": {str(n): asdict(p) for n, p in raw_steps.items()},
         "fit": asdict(fit),
-        "model_error_before_fit": {str(p.world_size): p.model_error for p in points},
+        "model_error_before_fit": {str(n): e for n, e in raw_errors.items()},
         "fit_error": {str(n): e for n, e in errors.items()},
         "link_samples": link_samples,
         "local_link": asdict(local_link) if local_link else None,

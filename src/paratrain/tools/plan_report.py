@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from paratrain.ddp.buckets import FIRST_BUCKET_BYTES
-from paratrain.tools.plan_fit import CommFit, MeasuredPoint
+from paratrain.tools.plan_fit import CommFit
 from paratrain.tools.plan_measure import DDP_BUCKET_CAP_BYTES
 from paratrain.tools.plan_memory import MemoryRow, parse_bytes, render_memory, smallest_fit
 from paratrain.tools.plan_model import BucketSpec, Link, ScalingRow
@@ -201,7 +201,7 @@ def describe_assumptions(
     beyond: list[int],
     factors: dict[int, float],
     fit: CommFit,
-    points: list[MeasuredPoint],
+    model_errors: dict[int, float],
     local_link: Link | None,
     remote_link: Link | None,
     per_node: int,
@@ -242,13 +242,14 @@ def describe_assumptions(
             f"world sizes above {per_node} span machines: ring all-reduce over the link, "
             f"{remote_link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {remote_link.bandwidth / 1e9:.2f} GB/s"
         )
-    if points:
-        before = ", ".join(f"ddp:{p.world_size} {p.model_error:+.0%}" for p in points)
+    if fit.points:
+        before = ", ".join(f"ddp:{n} {e:+.0%}" for n, e in sorted(model_errors.items()))
         shape = "a constant" if fit.per_ring == 0.0 else "constant + per_ring x 2(N-1)/N"
         assumptions.append(
             f"fitted to the measured ddp runs: each ddp step adds {shape} to the model ({fit.constant * 1e3:+.2f} ms"
             + (f", {fit.per_ring * 1e3:+.2f} ms per unit" if fit.per_ring else "")
-            + f"): what the real step spent beyond the modelled one. The model's error before the fit: {before}"
+            + "): what the real step spent beyond the modelled one. The model's error before the fit (compute "
+            f"unscaled, nothing added): {before}"
             + (
                 "; with one measured ddp size the fit matches it exactly, so its error there says nothing of the "
                 "extrapolation"
