@@ -5,8 +5,9 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_plan.py  # one thread everywhere (steadier when shared)
 
 Each round runs `plan --validate` (predict, then bench single and ddp:2/ddp:3 round robin) as a user would, and
-records each configuration's prediction error (predicted / measured - 1). The table gives the median error and
-its spread (min..max) over the rounds, so one lucky round cannot stand for the rest.
+records each configuration's prediction error (predicted / measured - 1). The sizes plan ran for real (up to
+this machine's cores) are bench's own figures there; the sizes beyond check plan's extrapolation. The table
+gives the median error and its spread (min..max) over the rounds, so one lucky round cannot stand for the rest.
 """
 
 from __future__ import annotations

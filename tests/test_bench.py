@@ -186,3 +186,35 @@ def test_zero_speed_quick_prints_every_mode_its_agreement_and_the_verdicts(tmp_p
                 assert report["agreement"][mode]["bitwise"], report["agreement"][mode]
     assert not report["agreement"]["initial"]["bitwise"]  # the warm-up moved the weights: the check sees changes
     assert len(report["verdicts"]) == 4 and "zero3" in result.stdout.split("parameters after")[1]
+
+
+# --- plan's budget: fewer steps for a slow model, fewer repeats once they agree --------------------------------------
+
+TINY = {"model": "mlp", "width": 16, "depth": 1, "input_shape": "6", "num_classes": 3, "batch_size": 12}
+
+
+@pytest.mark.parametrize("word", ["single", pytest.param("ddp:2", marks=pytest.mark.processes)])
+def test_a_budget_cuts_the_steps_to_the_fewest_and_the_ranks_agree(tmp_path, word):
+    from paratrain.tools.bench import MIN_TIMED_STEPS, run_in
+    from paratrain.tools.configs import parse_configs
+    from paratrain.tools.runner import run_config
+
+    settings = BenchConfig(**TINY, steps=10, warmup=3)
+    (config,) = parse_configs([word])
+    results = run_config(run_in, settings, config, tmp_path, {"timed_seconds": 1e-9})  # no step fits
+    for result in results:  # every rank ran as many steps as the others
+        assert result["steps"] == MIN_TIMED_STEPS and result["warmup"] == 1
+        assert all(len(values) == MIN_TIMED_STEPS for values in result["phases"].values())
+    (unlimited,) = run_config(run_in, settings, parse_configs(["single"])[0], tmp_path, {})
+    assert unlimited["steps"] == 10 and unlimited["warmup"] == 3 and len(unlimited["phases"]["data"]) == 10
+
+
+def test_repeats_stop_once_they_agree_when_asked_to_settle():
+    from paratrain.tools.bench import time_configs
+    from paratrain.tools.configs import parse_configs
+
+    settings = BenchConfig(**TINY, steps=2, warmup=1, repeats=3, configs=["single"])
+    (settled,) = time_configs(settings, parse_configs(["single"]), settle=100.0)  # any spread agrees
+    assert len(settled.repeat_step_seconds) == 2
+    (every,) = time_configs(settings, parse_configs(["single"]))
+    assert len(every.repeat_step_seconds) == 3 and every.timed_steps == 2

@@ -24,36 +24,64 @@ def _flags(settings: dict) -> list[str]:
 
 
 @pytest.mark.processes
-def test_plan_predicts_every_world_size_with_measured_inputs(tmp_path):
+def test_plan_runs_what_it_can_extrapolates_the_rest_and_says_each_phase(tmp_path):
+    """On this machine's cores (up to 2 here, --measure-up-to 2 elsewhere): single and ddp:2 run for real and are
+    "measured"; 3 is "extrapolated" from the model fitted to them. stderr, a pipe here, has one line per phase."""
     out = tmp_path / "plan.json"
     result = run_cli(
         "plan",
-        *_flags({**TINY, "max_world_size": 2, "steps": 3, "warmup": 1, "report_out": out, "device_memory": "1GB"}),
+        *_flags({**TINY, "max_world_size": 3, "measure_up_to": 2, "steps": 3, "warmup": 1, "report_out": out}),
+        "--device-memory",
+        "1GB",
         env={"OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert [r["world_size"] for r in rows] == [1, 2]
-    assert [r["per_device_batch"] for r in rows] == [12, 6]
-    assert rows[0]["speedup"] == 1.0 and rows[0]["exposed_comm_seconds"] == 0.0
+    assert [(r["world_size"], r["source"]) for r in rows] == [(1, "measured"), (2, "measured"), (3, "extrapolated")]
+    assert [r["per_device_batch"] for r in rows] == [12, 6, 4]
+    assert rows[0]["speedup"] == 1.0
     for r in rows:
         assert r["step_seconds"] > 0 and r["samples_per_second"] == pytest.approx(12 / r["step_seconds"])
         assert r["efficiency"] == pytest.approx(r["speedup"] / r["world_size"])
     inputs = report["inputs"]
+    assert inputs["measured_world_sizes"] == [1, 2] and inputs["extrapolated_world_sizes"] == [3]
+    for n in ("1", "2"):  # the real strategy's runs are the measured rows
+        assert inputs["measured"][n]["status"] == "OK"
+        assert rows[int(n) - 1]["step_seconds"] == inputs["measured"][n]["step_seconds"]
+    assert rows[1]["fit_error"] == pytest.approx(0.0, abs=1e-9)  # one ddp size: the constant fits it exactly
+    assert set(inputs["model_error_before_fit"]) == {"2"} and inputs["fit"]["points"] == 1
     assert {int(n) for n, _, _ in inputs["link_samples"]} == {2}  # all-reduces timed by 2 real processes
-    assert set(inputs["local_links"]) == {"2"} and inputs["local_links"]["2"]["bandwidth"] > 0
+    assert inputs["local_link"]["bandwidth"] > 0
+    # the table says which rows are which
+    table = result.stdout.split("\n\n")[0].splitlines()
+    assert "source" in table[0] and "fit error" in table[0]
+    assert table[2].split()[-2] == "measured" and table[4].split()[-2:] == ["extrapolated", "-"]
+    assert "a longer budget would" in result.stdout
+    # progress: one line per phase on stderr (a pipe), numbered out of what is left, then the total
+    progress = [line for line in result.stderr.splitlines() if line.startswith("plan: ")]
+    assert progress[0].startswith("plan: running single, repeat 1 of 3 (1 of ")
+    assert any(line.startswith("plan: running ddp:2, repeat 1 of 3 (") for line in progress)
+    assert any(line.startswith("plan: measuring compute on one device for world sizes 3 (") for line in progress)
+    assert any(line.startswith("plan: measuring the all-reduce between processes (") for line in progress)
+    last = progress[-2]
+    assert last.startswith("plan: measuring memory (") and " of " in last
+    count = last.split("(")[1].split(",")[0]
+    assert count.split(" of ")[0] == count.split(" of ")[1]  # the last phase is n of n
+    assert progress[-1].startswith("plan: done in ") and "\r" not in result.stderr
     if report["reliable"]:
-        assert report["recommended_world_size"] in (1, 2)
+        assert report["recommended_world_size"] in (1, 2, 3)
     else:  # a shared machine's load moved the tiny steps' medians: said, and no recommendation
         assert report["recommended_world_size"] is None and "no recommendation: " in result.stdout
     assert "assumptions:" in result.stdout and "recommendation:" in result.stdout
-    assert any("share this machine's" in a for a in report["assumptions"])
+    assert any(a.startswith("extrapolated: world sizes 3 ") for a in report["assumptions"])
     # the memory per device of ddp, zero1, zero2 and zero3 at each N, and the fewest devices each fits on
     assert {(r["strategy"], r["world_size"]) for r in report["memory"]} == {
-        (s, n) for s in ("ddp", "zero1", "zero2", "zero3") for n in (1, 2)
+        (s, n) for s in ("ddp", "zero1", "zero2", "zero3") for n in (1, 2, 3)
     }
     assert report["fewest_devices"] == {"ddp": 1, "zero1": 1, "zero2": 1, "zero3": 1}  # a tiny model fits anywhere
+    quiet = run_cli("plan", *_flags({**TINY, "max_world_size": 1, "steps": 2, "warmup": 1}), "--quiet")
+    assert quiet.returncode == 0 and "plan: " not in quiet.stderr and "measured" in quiet.stdout
 
 
 def test_several_machines_use_the_link_given_and_validation_compares_with_bench():

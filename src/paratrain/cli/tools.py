@@ -59,10 +59,13 @@ TOOLS = (
         "paratrain.tools.plan",
         "PlanConfig",
         "predict ddp's step time, samples/s and efficiency at 1..N devices before renting them",
-        "Measure on one device (forward, backward and optimizer at the per-device batch each N implies, when "
-        "each gradient is ready) and the all-reduce with real processes here (or take the link between machines "
-        "as given), then model our DDP's overlapped bucket all-reduces. Prints one row per world size, the "
-        "assumptions, and the world size past which devices stop paying. --validate runs bench here and prints "
+        "Run the real job (single, ddp:N in launched workers, at the threads train gives each) for a few steps "
+        "at the world sizes this machine can run: those rows are measured. Beyond them, extrapolate from a model "
+        "(compute on one device, when each gradient is ready, the all-reduce between real processes or the link "
+        "given between machines, our DDP's overlapped buckets) fitted to those runs, with the fit's error at the "
+        "measured sizes. Prints one row per world size, the assumptions, whether a longer --budget would change "
+        "the answer, and the world size past which devices stop paying; a line per phase on stderr. --validate "
+        "runs bench here and prints "
         "the prediction error (exit 1 when one exceeds --max-error).",
     ),
 )

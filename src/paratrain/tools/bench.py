@@ -46,9 +46,10 @@ from paratrain.tools.workload import Workload, build_optimizer, endless
 from paratrain.training.logs import install_hint
 from paratrain.training.threads import MachineLoad, choose_threads, using_threads
 
-__all__ = ["PHASES", "BenchConfig", "BenchReport", "ConfigTiming", "bench"]
+__all__ = ["MIN_TIMED_STEPS", "PHASES", "BenchConfig", "BenchReport", "ConfigTiming", "bench", "time_configs"]
 
 PHASES = ("data", "forward", "backward", "optimizer")
+MIN_TIMED_STEPS = 3  # a run cut short by plan's budget still times this many steps (a median of 3)
 
 
 @dataclass
@@ -94,13 +95,18 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 def run_in(par: Parallel, settings: BenchConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    """``warmup`` + ``steps`` steps under ``par``, on the threads ``train`` would use; seconds of each phase."""
+    """``warmup`` + ``steps`` steps under ``par``, on the threads ``train`` would use; seconds of each phase.
+
+    ``extra["timed_seconds"]`` (plan's budget): fewer timed steps when ``steps`` of them would take longer than
+    that, judged by the first timed step, but at least :data:`MIN_TIMED_STEPS`, and fewer warm-up steps (at
+    least one) when they would take more than half of it, judged by the first step (the ranks agree on both).
+    """
     threads = choose_threads(par.strategy_name, par.strategy.devices, launched=par.environment.launched)
     with using_threads(threads):
-        return _timed_steps(par, settings)
+        return _timed_steps(par, settings, extra.get("timed_seconds"))
 
 
-def _timed_steps(par: Parallel, settings: BenchConfig) -> dict[str, Any]:
+def _timed_steps(par: Parallel, settings: BenchConfig, timed_seconds: float | None = None) -> dict[str, Any]:
     work = Workload.load(settings)
     model = work.build_model()
     optimizer = build_optimizer(settings, model.parameters())
@@ -108,7 +114,9 @@ def _timed_steps(par: Parallel, settings: BenchConfig) -> dict[str, Any]:
     sync = _synchronizer(par.device)
     batches = endless(loader)
     phases: dict[str, list[float]] = {name: [] for name in PHASES}
-    for i in range(settings.warmup + settings.steps):
+    warmup, steps = settings.warmup, settings.steps
+    i = 0
+    while i < warmup + steps:
         t0 = time.perf_counter()
         batch = next(batches)
         sync()
@@ -130,10 +138,28 @@ def _timed_steps(par: Parallel, settings: BenchConfig) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         sync()
         spent["optimizer"] = time.perf_counter() - t3
-        if i >= settings.warmup:
+        if i >= warmup:
             for name in PHASES:
                 phases[name].append(spent[name])
-    return {"phases": phases, "threads": torch.get_num_threads(), "device": str(par.device)}
+        if timed_seconds is not None and i in (0, warmup):
+            seconds = max(sum(spent.values()), 1e-9)
+            if i == warmup:  # the first timed step: how many fit the budget
+                steps = _agreed(par, min(steps, max(MIN_TIMED_STEPS, int(timed_seconds / seconds))))
+            else:  # the first step (an upper bound: it allocates): warm-up beyond one step within half the budget
+                warmup = _agreed(par, min(warmup, max(1, int(timed_seconds / 2 / seconds))))
+        i += 1
+    return {
+        "phases": phases,
+        "threads": torch.get_num_threads(),
+        "device": str(par.device),
+        "steps": steps,
+        "warmup": warmup,
+    }
+
+
+def _agreed(par: Parallel, count: int) -> int:
+    """The smallest of every rank's ``count``: the ranks must run the same steps (each has collectives)."""
+    return int(par.all_reduce(torch.tensor([float(count)], device=par.device), "min").item())
 
 
 # -- the report ----------------------------------------------------------------------------------------------------
@@ -155,6 +181,7 @@ class ConfigTiming:
     efficiency: float = 0.0
     repeat_step_seconds: list[float] = field(default_factory=list)  # the median step of each repeat
     threads_per_process: int = 0
+    timed_steps: int = 0  # timed steps per repeat (the fewest of any repeat)
     unreliable: list[str] = field(default_factory=list)  # why these figures cannot be trusted, if they cannot
 
     @property
@@ -265,6 +292,13 @@ class BenchReport:
         return format_markdown(headers, rows) + "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
+def _spread(runs: list[dict[str, Any]]) -> float:
+    """How far the runs' median steps spread, as a fraction of their median (what :attr:`ConfigTiming.moved` is)."""
+    medians = [statistics.median(sum(step) for step in zip(*run["phases"].values(), strict=True)) for run in runs]
+    middle = statistics.median(medians) if medians else 0.0
+    return (max(medians) - min(medians)) / middle if len(medians) > 1 and middle > 0 else 0.0
+
+
 def _summarise(config: RunConfig, runs: list[dict[str, Any]], batch_size: int) -> ConfigTiming:
     per_repeat = []
     phase_medians: dict[str, list[float]] = {name: [] for name in PHASES}
@@ -284,35 +318,41 @@ def _summarise(config: RunConfig, runs: list[dict[str, Any]], batch_size: int) -
         samples_per_second=batch_size / step,
         repeat_step_seconds=per_repeat,
         threads_per_process=int(runs[0].get("threads", 0)),
+        timed_steps=min(int(run.get("steps", len(run["phases"]["data"]))) for run in runs),
     )
 
 
-def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
-    """Measure every configuration; see the module docstring. ``bench(model="mlp", configs=[...])`` works too.
+def time_configs(
+    config: BenchConfig,
+    configs: list[RunConfig],
+    extra: dict[str, Any] | None = None,
+    on_run: Callable[[RunConfig, int], None] | None = None,
+    settle: float | None = None,
+) -> list[ConfigTiming]:
+    """Time each of ``configs`` ``config.repeats`` times, round robin (the order rotating each round); one timing
+    each, judged, with speed-up and efficiency against the first OK ``single`` among them.
 
-    Raises:
-        ConfigError: settings no run can use.
+    ``extra`` goes to every run (:func:`run_in`); ``on_run(configuration, repeat)`` is called before each run.
+    ``settle`` (plan): stop after two rounds or more once every configuration's repeats agree within that
+    fraction of their median (more repeats would not change the answer).
     """
-    config = settings_from(BenchConfig, config, settings)
-    configs = parse_configs(config.configs)
-    notes: list[str] = []
-    if not any(c.strategy == "single" for c in configs):
-        configs.insert(0, parse_configs(["single"])[0])
-        notes.append("single was added: speed-up and efficiency are measured against it")
     runnable = [c for c in configs if unavailable_reason(c) is None]
-    before = MachineLoad.now()
     runs: dict[str, list[dict[str, Any]]] = {c.word: [] for c in runnable}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
         for repeat in range(config.repeats):
-            shift = repeat % len(runnable)
+            shift = repeat % len(runnable) if runnable else 0
             for run in runnable[shift:] + runnable[:shift]:  # rotate: no configuration always goes first
                 if run.word in errors:
                     continue
+                if on_run is not None:
+                    on_run(run, repeat)
                 try:
-                    runs[run.word].append(run_config(run_in, config, run, Path(tmp), {})[0])
+                    runs[run.word].append(run_config(run_in, config, run, Path(tmp), extra or {})[0])
                 except ConfigRunError as exc:
                     errors[run.word] = str(exc)
+            if settle is not None and repeat >= 1 and all(_spread(runs[w]) <= settle for w in runs if w not in errors):
+                break
     timings = []
     for c in configs:
         why_not = unavailable_reason(c)
@@ -329,6 +369,24 @@ def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
             t.efficiency = t.speedup / t.devices
         if t.status == "OK":
             t.judge()
+    return timings
+
+
+def bench(config: BenchConfig | None = None, /, **settings: Any) -> BenchReport:
+    """Measure every configuration; see the module docstring. ``bench(model="mlp", configs=[...])`` works too.
+
+    Raises:
+        ConfigError: settings no run can use.
+    """
+    config = settings_from(BenchConfig, config, settings)
+    configs = parse_configs(config.configs)
+    notes: list[str] = []
+    if not any(c.strategy == "single" for c in configs):
+        configs.insert(0, parse_configs(["single"])[0])
+        notes.append("single was added: speed-up and efficiency are measured against it")
+    runnable = [c for c in configs if unavailable_reason(c) is None]
+    before = MachineLoad.now()
+    timings = time_configs(config, configs)
     after = MachineLoad.now()
     machine = {
         "cores": after.cores,

@@ -1,8 +1,11 @@
-"""What ``paratrain plan`` measures: compute on one device, all-reduces and stragglers with real processes.
+"""What ``paratrain plan`` measures for its model: compute on one device, all-reduces with real processes.
 
     profiles, moved = measure_profiles(work, device, [(64, 2), (32, 1)], steps=10, warmup=3, rounds=3)
-    slower = measure_contention(work, (32, 1), others=1, steps=10, warmup=3)   # one peer beside it
-    link = measure_link(2, sizes, bursts, timeout=600)          # python -m paratrain.tools.allreduce_probe
+    link = measure_link(2, sizes, {}, timeout=600)              # python -m paratrain.tools.allreduce_probe
+
+What the ranks of a real run share on a CPU (cores, memory bandwidth, caches) and what their meeting costs per
+step, plan no longer measures beside stand-in peers: it runs the real strategy (:mod:`paratrain.tools.plan_runs`)
+and fits the model to it (:mod:`paratrain.tools.plan_fit`).
 
 Measurements take turns (one step of each shape in rotation) so that a shared machine's changing load does not
 favour one of them; every figure is a median. Compute is measured in rounds, and how far a shape's median moved
@@ -13,15 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +35,10 @@ from paratrain.tools.workload import Workload, build_optimizer
 
 __all__ = [
     "DDP_BUCKET_CAP_BYTES",
-    "Peers",
     "ProfileRun",
-    "bursts_for",
-    "contention",
-    "measure_contention",
     "measure_link",
     "measure_profiles",
     "read_link_file",
-    "running_beside",
     "threads_per_process",
 ]
 
@@ -176,94 +170,6 @@ def measure_profiles(
     return profiles, {(run.batch, run.threads): run.moved(rounds) for run in runs}
 
 
-def measure_contention(work: Workload, shape: tuple[int, int], others: int, steps: int, warmup: int) -> float:
-    """How much slower a CPU training step of ``shape`` (per-device batch, threads) is beside ``others`` peers.
-
-    The peers run the same steps in real processes (:mod:`paratrain.tools.busy`): what a ddp process shares with
-    the others of its machine, cores, memory bandwidth and caches. The steps measured here alternate between
-    peers stopped (SIGSTOP) and running, so that load changing meanwhile hits both alike; the result is the
-    ratio of the medians, at least 1.
-    """
-    batch, threads = shape
-    run = ProfileRun(work, torch.device("cpu"), batch, threads)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    with running_beside(work, batch, threads, others) as peers:
-        for i in range(2 * (warmup + steps)):
-            busy = i % 2 == 1
-            peers.run(busy)
-            start = time.perf_counter()
-            run.step(record=False)
-            if i >= 2 * warmup:
-                times[busy].append(time.perf_counter() - start)
-    return max(1.0, statistics.median(times[True]) / statistics.median(times[False]))
-
-
-def contention(
-    work: Workload, shapes: dict[int, tuple[int, int, float]], per_node: int, cores: int, steps: int, warmup: int
-) -> dict[int, float]:
-    """World size -> how much slower a process computes beside its peers on this CPU than alone.
-
-    ``shapes`` maps each world size to (per-device batch, threads, time-sharing slowdown). The peers that fit on
-    the cores beside a process (``min(N, per_node, cores // threads) - 1``) are run for real; the factor for k
-    peers is measured once, at the shape of world size k + 1, and used for every N with k peers (time-sharing
-    beyond one process per core is the separate slowdown of ``shapes``).
-    """
-    by_peers: dict[int, float] = {0: 1.0}
-    factors = {}
-    for n, (_, threads, _) in shapes.items():
-        peers = max(1, min(n, per_node, cores // threads)) - 1
-        if peers not in by_peers:
-            batch, peer_threads, _ = shapes[peers + 1]
-            by_peers[peers] = measure_contention(work, (batch, peer_threads), peers, steps, warmup)
-        factors[n] = by_peers[peers]
-    return factors
-
-
-class Peers:
-    """Processes running the model beside a measurement; :meth:`run` stops (SIGSTOP) or continues them."""
-
-    def __init__(self, procs: list[subprocess.Popen[str]]) -> None:
-        self.procs = procs
-        self.running = True
-
-    def run(self, running: bool) -> None:
-        if running != self.running:
-            for proc in self.procs:
-                proc.send_signal(signal.SIGCONT if running else signal.SIGSTOP)
-            self.running = running
-
-
-@contextmanager
-def running_beside(work: Workload, batch: int, threads: int, others: int) -> Iterator[Peers]:
-    """``others`` processes running the training steps of (batch, threads) until the block ends."""
-    with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
-        job = Path(tmp) / "busy.json"
-        job.write_text(json.dumps({"settings": asdict(work.settings), "batch": batch, "threads": threads}))
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        command = [sys.executable, "-m", "paratrain.tools.busy", str(job)]
-        logs = [Path(tmp) / f"busy{i}.log" for i in range(others)]
-        procs: list[subprocess.Popen[str]] = []
-        try:
-            for log in logs:
-                with log.open("w") as err:
-                    procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, env=env))
-            for proc, log in zip(procs, logs, strict=True):
-                assert proc.stdout is not None
-                if proc.stdout.readline().strip() != "ready":
-                    proc.wait()
-                    tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
-                    raise ConfigError(
-                        f"a process running the model beside plan's measurement (as a peer rank would) exited "
-                        f"with code {proc.returncode}: {tail[0]}"
-                    )
-            yield Peers(procs)
-        finally:
-            for proc in procs:
-                proc.kill()  # SIGKILL also ends a stopped process
-            for proc in procs:
-                proc.communicate()
-
-
 def _bucket_copy_seconds(params: list[torch.nn.Parameter], device: torch.device, repeats: int) -> float:
     """What our reducer adds per step: gradients divided into the bucket buffers, and copied back after."""
     buckets = assign_buckets(params, DDP_BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES)
@@ -308,29 +214,6 @@ def measure_link(processes: int, sizes: tuple[int, ...], bursts: dict[int, int],
             )
         measured: dict[str, Any] = json.loads(out.read_text())
         return measured
-
-
-def bursts_for(
-    profiles: dict[tuple[int, int], ComputeProfile], shapes: dict[int, tuple[int, int, float]], processes: int
-) -> dict[int, int]:
-    """Work units that last as long as forward + backward of each world size's process, timed here."""
-    from paratrain.tools.allreduce_probe import work_unit
-
-    bursts = {}
-    unit = work_unit(torch.device("cpu"))
-    for n in range(2, processes + 1):
-        batch, threads, _ = shapes[n]
-        profile = profiles[batch, threads]
-        with _threads(threads):
-            for _ in range(5):
-                unit()
-            times = []
-            for _ in range(30):
-                start = time.perf_counter()
-                unit()
-                times.append(time.perf_counter() - start)
-        bursts[n] = max(1, round((profile.forward + profile.backward) / statistics.median(times)))
-    return bursts
 
 
 def read_link_file(path: str) -> list[list[float]]:

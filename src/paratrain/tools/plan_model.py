@@ -187,6 +187,8 @@ class ScalingRow:
     efficiency: float
     exposed_comm_seconds: float
     comm_seconds: float
+    source: str = "model"  # "measured" (the real strategy ran here), "extrapolated" (the fitted model), "model"
+    fit_error: float | None = None  # at a measured size: the fitted model's error there (None elsewhere)
 
 
 def scaling_rows(

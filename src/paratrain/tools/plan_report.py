@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from paratrain.ddp.buckets import FIRST_BUCKET_BYTES
+from paratrain.tools.plan_fit import CommFit
 from paratrain.tools.plan_measure import DDP_BUCKET_CAP_BYTES
 from paratrain.tools.plan_memory import MemoryRow, parse_bytes, render_memory, smallest_fit
 from paratrain.tools.plan_model import BucketSpec, Link, ScalingRow
@@ -80,6 +81,7 @@ class PlanReport:
     written: list[str] = field(default_factory=list)  # the files written (the JSON report)
     unreliable: list[str] = field(default_factory=list)  # why the measurements cannot be trusted, if they cannot
     memory: list[MemoryRow] = field(default_factory=list)  # bytes per device of ddp, zero1 and zero2 at each N
+    budget: list[str] = field(default_factory=list)  # what was measured, and whether a longer budget would matter
 
     @property
     def reliable(self) -> bool:
@@ -107,6 +109,7 @@ class PlanReport:
             "validation": self.validation,
             "memory": [{**asdict(r), "model_states": r.model_states, "total": r.total} for r in self.memory],
             "fewest_devices": self.fewest_devices(),
+            "budget": self.budget,
         }
 
     def fewest_devices(self) -> dict[str, int | None] | None:
@@ -115,7 +118,17 @@ class PlanReport:
         return smallest_fit(self.memory, parse_bytes(limit)) if limit and self.memory else None
 
     def render(self) -> str:
-        headers = ["world size", "batch/device", "step ms", "samples/s", "speed-up", "efficiency", "exposed comm ms"]
+        headers = [
+            "world size",
+            "batch/device",
+            "step ms",
+            "samples/s",
+            "speed-up",
+            "efficiency",
+            "beyond compute ms",
+            "source",
+            "fit error",
+        ]
         table = [
             [
                 str(r.world_size),
@@ -124,11 +137,13 @@ class PlanReport:
                 f"{r.samples_per_second:,.0f}",
                 f"{r.speedup:.2f}x",
                 f"{r.efficiency:.0%}",
-                f"{r.exposed_comm_seconds * 1e3:.2f}",
+                f"{r.exposed_comm_seconds * 1e3:.2f}" if r.world_size > 1 and r.comm_seconds else "-",
+                r.source,
+                f"{r.fit_error:+.0%}" if r.fit_error is not None else "-",
             ]
             for r in self.rows
         ]
-        lines = [format_table(headers, table), "", "assumptions:"]
+        lines = [format_table(headers, table), *self.budget, "", "assumptions:"]
         lines += [f"  - {a}" for a in self.assumptions]
         if self.memory:
             limit = self.settings.get("device_memory")
@@ -178,59 +193,77 @@ class PlanReport:
 
 def describe_assumptions(
     config: RunSettings,
-    repeats: int,
-    max_world_size: int,
     device: str,
     cores: int,
     param_count: int,
     buckets: list[BucketSpec],
-    inputs_rows: list[dict[str, Any]],
-    local_links: dict[int, Link],
-    sync: dict[int, float],
+    measured: list[int],
+    beyond: list[int],
+    factors: dict[int, float],
+    fit: CommFit,
+    model_errors: dict[int, float],
+    local_link: Link | None,
     remote_link: Link | None,
     per_node: int,
 ) -> list[str]:
     """What the prediction takes as given, in words, for the printed report."""
     gpus = device.startswith("cuda")
-    local_max = min(max_world_size, per_node)
     assumptions: list[str] = []
     assumptions.append(
         f"model {config.model}: {param_count:,} parameters ({param_count * 4 / 2**20:.1f} MiB of float32 gradients), "
         f"{len(buckets)} bucket(s) as our DDP builds them (first {FIRST_BUCKET_BYTES // 2**20} MiB, then "
         f"{DDP_BUCKET_CAP_BYTES // 2**20} MiB): {', '.join(f'{b.nbytes / 2**20:.2f}' for b in buckets)} MiB"
     )
+    words = ", ".join("single" if n == 1 else f"ddp:{n}" for n in measured)
+    where = "one GPU per process" if gpus else f"on this machine's {cores} cores"
     assumptions.append(
-        f"global batch {config.batch_size} split N ways; each device runs the largest share, ceil(batch / N); "
-        f"compute measured on {device} in this process, medians of {repeats} rounds of {config.steps} steps, "
-        f"one device at the threads paratrain train gives it ({inputs_rows[0]['threads_per_process']})"
+        f"measured: world sizes {_sizes(measured)} ran the real job here ({words}: global batch {config.batch_size} "
+        f"split N ways, the user's model, data and optimizer, at the threads paratrain train gives each process, "
+        f"{where}); each row is that run's median step"
     )
-    if not gpus:
-        thread_text = ", ".join(f"N={r['world_size']}: {r['threads_per_process']}" for r in inputs_rows)
-        contention_text = ", ".join(f"N={r['world_size']}: x{r['cpu_contention']:.2f}" for r in inputs_rows)
+    if not beyond:
+        return assumptions
+    factor_text = ", ".join(f"N={n}: x{f:.2f}" for n, f in sorted(factors.items()))
+    assumptions.append(
+        f"extrapolated: world sizes {_sizes(beyond)} from the model: compute measured on {device} in this process "
+        f"at each per-device batch (and, on the CPU, the threads each process gets, slowed by N x threads / cores "
+        f"beyond one process per core), scaled by how much slower the measured run computed than that profile "
+        f"({factor_text})"
+    )
+    if local_link is not None:
         assumptions.append(
-            f"CPU: the N processes share this machine's {cores} cores; compute measured at the threads each process "
-            f"gets ({thread_text}), slowed by N x threads / cores beyond one process per core, and by what running "
-            f"beside its peers costs, measured with real processes running the model ({contention_text})"
-        )
-    for n, link in local_links.items():
-        assumptions.append(
-            f"all-reduce among {n} processes here ({'nccl' if gpus else 'gloo'}, measured): "
-            f"{link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {link.bandwidth / 1e9:.2f} GB/s; the ranks meet "
-            f"{sync.get(n, 0.0) * 1e3:.2f} ms late per step (measured: steps of the model's compute length, with "
-            "and without a tiny all-reduce)"
-        )
-    if local_links and max(local_links) < local_max:
-        assumptions.append(
-            f"world sizes {max(local_links) + 1}..{local_max} on this machine: extrapolated from "
-            f"{max(local_links)} processes"
+            f"all-reduce inside this machine ({'nccl' if gpus else 'gloo'}, measured between real processes): "
+            f"{local_link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {local_link.bandwidth / 1e9:.2f} GB/s; "
+            "overlap as our reducer runs it: a bucket's all-reduce starts when its gradients are ready, in bucket "
+            "order, one at a time"
         )
     if remote_link is not None:
         assumptions.append(
             f"world sizes above {per_node} span machines: ring all-reduce over the link, "
             f"{remote_link.latency * 1e6:.0f} us + 2(N-1)/N x bytes / {remote_link.bandwidth / 1e9:.2f} GB/s"
         )
-    assumptions.append(
-        "overlap as our reducer runs it: a bucket's all-reduce starts when its gradients are ready, in bucket "
-        "order, one at a time; backward ends when the last one finishes; ddp only (dp is not modelled)"
-    )
+    if fit.points:
+        before = ", ".join(f"ddp:{n} {e:+.0%}" for n, e in sorted(model_errors.items()))
+        shape = "a constant" if fit.per_ring == 0.0 else "constant + per_ring x 2(N-1)/N"
+        assumptions.append(
+            f"fitted to the measured ddp runs: each ddp step adds {shape} to the model ({fit.constant * 1e3:+.2f} ms"
+            + (f", {fit.per_ring * 1e3:+.2f} ms per unit" if fit.per_ring else "")
+            + "): what the real step spent beyond the modelled one. The model's error before the fit (compute "
+            f"unscaled, nothing added): {before}"
+            + (
+                "; with one measured ddp size the fit matches it exactly, so its error there says nothing of the "
+                "extrapolation"
+                if fit.points == 1
+                else ""
+            )
+        )
+    else:
+        assumptions.append(
+            "no ddp size could be measured here: the communication model is not fitted (the extrapolation is the "
+            "model's alone)"
+        )
     return assumptions
+
+
+def _sizes(sizes: list[int]) -> str:
+    return f"{sizes[0]}..{sizes[-1]}" if len(sizes) > 1 else str(sizes[0])

@@ -11,11 +11,11 @@ reported with its reason, never as within.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import fields
 from typing import Any
 
-from paratrain.tools.bench import BenchConfig, bench
+from paratrain.tools.bench import bench
 from paratrain.tools.configs import RunConfig, parse_configs, unavailable_reason
+from paratrain.tools.plan_runs import bench_settings
 from paratrain.tools.settings import RunSettings
 
 __all__ = ["VALIDATE_UP_TO", "validate_plan", "validation_configs"]
@@ -40,9 +40,7 @@ def validate_plan(
 
     ``predicted`` maps a world size to its predicted step seconds; a world size it lacks is NOT PREDICTED.
     """
-    bench_fields = {f.name for f in fields(BenchConfig)} - {"configs", "report_out", "markdown_out", "plot_out"}
-    shared = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in bench_fields}  # type: ignore[arg-type]
-    measured = bench(BenchConfig(**shared, configs=[c.word for c in configs]))
+    measured = bench(bench_settings(settings, [c.word for c in configs]))
     results = []
     for c in configs:
         timing = measured.timing(c.word)

@@ -121,7 +121,7 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
     plot: bool | None = setting(
         None, "with --log-dir, draw curves.png (default: when paratrain[plot] is installed; --plot: required)"
     )
-    quiet: bool = setting(False, "no progress bar and no per-step lines")
+    quiet: bool = setting(False, "no progress: no progress bar, no per-step lines, no per-phase lines (plan)")
     progress_bar: bool | None = setting(None, "show a progress bar (default: when stderr is a terminal)")
     max_steps: int | None = setting(
         None,
