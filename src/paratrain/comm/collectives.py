@@ -251,7 +251,11 @@ class CollectiveMonitor:
         if self._answerer is not None:
             self._answerer.beat()
         if self._checks:
-            self._check_drift()
+            try:
+                self._check_drift()
+            finally:  # reached only when it did not end the process: a host thread waiting on it goes on
+                if self._diagnosing is threading.current_thread():
+                    self._said.set()
 
     def _watch(self) -> None:
         """Drop finished collectives the host did not wait for; end the process for an overdue one."""
@@ -270,7 +274,8 @@ class CollectiveMonitor:
             return
         peer = board.global_ranks[1 if board.rank == 0 else 0]
         entry = board.read_one(peer)
-        drift = first_drift([e[:2] for e in self._history][-RING:], (entry or {}).get("ring") or [])
+        # all of this rank's history: a peer far behind in its steps published a ring older than this rank's last
+        drift = first_drift([e[:2] for e in self._history], (entry or {}).get("ring") or [])
         if drift is None:
             return
         seq, here, there = drift

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from paratrain.diagnostics.flight_recorder import recent
-from paratrain.diagnostics.mismatch import call_site, first_drift, is_ours
+from paratrain.diagnostics.mismatch import WINDOW, call_site, first_drift, is_ours
 from paratrain.diagnostics.stacks import PACKAGE_DIR, user_frame
 
 __all__ = ["extra_collectives", "paratrain_call", "paratrain_calls"]
@@ -39,7 +39,10 @@ def extra_collectives(group: Any, history: Sequence[Sequence[Any]], peers: Mappi
         if drift is None or drift[1] <= drift[2]:
             continue
         seq, here, there = drift
-        before = max((g for s, g in mine if s < seq), default=here - (here - there) - 1)
+        theirs_by_seq = {int(s): int(g) for s, g in ring}
+        # the extra collectives came after the latest of paratrain's on which both ranks agree (when both show one)
+        agreed = [g for s, g in mine if s < seq and theirs_by_seq.get(s) == g]
+        before = max(agreed) if agreed else max(0, here - WINDOW)
         what = next((str(e[2]) for e in history if int(e[0]) == seq and e[2]), "")
         ours = f"paratrain's collective #{seq}" + (f" ({what})" if what else "")
         found = [c.as_dict() for c in recent(group, frames=True, seqs=range(before + 1, here))]
@@ -49,7 +52,7 @@ def extra_collectives(group: Any, history: Sequence[Sequence[Any]], peers: Mappi
                 f"{here - there} collective(s) paratrain did not launch, before {ours}, which rank {rank} did not "
                 f"make (the Flight Recorder does not say where)"
             )
-        named = "; ".join(call_site(c) for c in theirs)
+        named = "; ".join(call_site(c) for c in theirs[-(here - there) :])  # the latest: the extra ones
         return f"{named}, which rank {rank} did not make, before {ours}"
     return None
 
