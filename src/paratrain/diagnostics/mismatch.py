@@ -6,7 +6,8 @@ the user's own ``torch.distributed`` calls included) on every rank. When a rank 
 not (an all-reduce under ``if rank == 0:``, a log call with different keys per rank), its numbers run ahead: a
 same-sized all-reduce would be summed silently into another rank's gradients. Each rank publishes its latest
 (paratrain's number, the group's number) pairs on the board, and its board thread compares them with a peer's
-within a beat::
+within a beat (the rank ahead reports: it made the extra collective, and its own Flight Recorder says where,
+:mod:`paratrain.diagnostics.skipped`)::
 
     drift = first_drift(mine=[[5, 12], [6, 13]], theirs=[[5, 12], [6, 14]])     # -> (6, 13, 14)
 """
