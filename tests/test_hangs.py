@@ -13,6 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.diagnostics.hang_report import HangReport, RankReport
+from paratrain.diagnostics.skipped import paratrain_call, paratrain_calls
+from paratrain.diagnostics.stacks import PACKAGE_DIR
+from paratrain.errors import CollectiveError
+from paratrain.launch.failures import error_line
+
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 3.0
 # how soon after the fault a job ends: the timeout, a report that waits for every answering rank (torch's first
@@ -187,17 +193,12 @@ def test_a_paratrain_call_only_rank_0_makes_is_named_with_its_line_and_the_rule(
 
 def test_a_stack_in_a_paratrain_call_names_the_call_and_the_users_line():
     """The frames a report carries (innermost last): the user's line, then paratrain's public call."""
-    from paratrain.diagnostics.skipped import paratrain_call, paratrain_calls
-    from paratrain.diagnostics.stacks import PACKAGE_DIR
-
     user = {"file": "/home/me/train.py", "line": 40, "function": "<module>"}
     barrier = [user, {"file": f"{PACKAGE_DIR}/parallel.py", "line": 476, "function": "barrier"}]
     backward = [{**user, "line": 35}, {"file": f"{PACKAGE_DIR}/parallel.py", "line": 339, "function": "backward"}]
     assert paratrain_call(barrier) == ("par.barrier()", "/home/me/train.py:40", False)
     assert paratrain_call(backward) == ("par.backward()", "/home/me/train.py:35", True)
     assert paratrain_call([user]) is None
-
-    from paratrain.diagnostics.hang_report import HangReport, RankReport
 
     def rank(r: int, frames: list) -> RankReport:
         return RankReport(r, "alive", True, stacks=[{"thread": "MainThread", "frames": frames}])
@@ -208,3 +209,10 @@ def test_a_stack_in_a_paratrain_call_names_the_call_and_the_users_line():
     assert "Every rank calls par.barrier() at the same point" in said
     together = HangReport(0, "", 1, 3.0, 0.0, [rank(0, backward), rank(1, backward)])
     assert paratrain_calls(together) == ""  # the same call on every rank: a stall, not a skipped call
+
+
+def test_the_launchers_line_for_a_collective_error_is_its_short_summary():
+    """The message holds the whole diagnosis, printed once by the rank; the launcher's summary quotes the pointer."""
+    error = CollectiveError("rank 0: barrier (collective #1) did not complete within 3s: ...", summary="rank 0: short")
+    assert error_line(error) == "CollectiveError: rank 0: short"
+    assert error_line(ValueError("bad")) == "ValueError: bad"
