@@ -13,6 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.diagnostics.hang_report import HangReport, RankReport
+from paratrain.diagnostics.skipped import paratrain_call, paratrain_calls
+from paratrain.diagnostics.stacks import PACKAGE_DIR
+from paratrain.errors import CollectiveError
+from paratrain.launch.failures import error_line
+
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 3.0
 # how soon after the fault a job ends: the timeout, a report that waits for every answering rank (torch's first
@@ -127,7 +133,86 @@ def test_the_fault_matrix_each_job_ends_and_its_report_names_the_rank_its_state_
             assert "ranks ran different collectives" in output and report is not None, tail
             line = _line_of("only rank 0 reaches")
             assert f"rank 0 ran all_reduce(float [10]) at {SCRIPTS / 'user_hang.py'}:{line}" in output, tail
-            assert "rank 1 ran paratrain's gradient all-reduce of bucket 0" in output, tail
+            assert "which rank 1 did not make" in output, tail  # said by rank 0, which made it (issue 27)
         elif fault == "shapes":  # gloo refuses mismatched sizes by aborting; faulthandler shows where
             line = _line_of("of a different size per rank")
             assert "collective mismatch" in output and f'user_hang.py", line {line}' in output, tail
+
+
+def _skipped_run(call: str, workdir: Path) -> tuple[int, str]:
+    """``paratrain launch`` of user_skipped.py, its output as the console shows it (stdout and stderr in one pipe)."""
+    command = [*_launchers()["paratrain launch"], str(SCRIPTS / "user_skipped.py"), "--call", call]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*command, "--timeout", str(TIMEOUT)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=workdir,
+    )
+    return done.returncode, done.stdout
+
+
+def _skipped_line(text: str) -> int:
+    lines = (SCRIPTS / "user_skipped.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, start=1) if text in line)
+
+
+@pytest.mark.processes
+def test_a_collective_only_rank_0_makes_is_named_with_its_line_by_rank_0_once(tmp_path):
+    """Issue 27: rank 0 all-reduces alone (a bucket's size, so gloo pairs it with rank 1's bucket), rank 1 finishes
+    and leaves. Rank 0, ahead in the group's numbers, names the extra collective and its line, once; the launcher's
+    summary points to it in one short line; the exit code is rank 0's, 1."""
+    code, output = _skipped_run("extra", tmp_path)
+    site = f"rank 0 ran all_reduce(float [10]) at {SCRIPTS / 'user_skipped.py'}:{_skipped_line('only rank 0 makes')}"
+    assert code == 1, output
+    assert output.count(site) == 1, output
+    assert "which rank 1 did not make" in output, output
+    assert output.count("Connection closed by peer") <= 1, output  # gloo's text, when quoted, once
+    assert "paratrain launch: rank 0 exited with code 1: CollectiveError: " in output, output
+    summary = next(line for line in output.splitlines() if line.startswith("paratrain launch: rank 0 exited"))
+    assert "the diagnosis is in rank 0's output above" in summary and site not in summary, summary
+
+
+@pytest.mark.processes
+def test_a_paratrain_call_only_rank_0_makes_is_named_with_its_line_and_the_rule(tmp_path):
+    """Issue 27: par.barrier() under ``if par.is_main:``. Each rank's error names the call, its line and the rule,
+    once per rank; the launcher's summary lines point to them."""
+    code, output = _skipped_run("barrier", tmp_path)
+    call = f"rank 0 in par.barrier() at {SCRIPTS / 'user_skipped.py'}:{_skipped_line('call only rank 0 makes')}"
+    assert code == 1, output
+    assert call in output and "Every rank calls par.barrier() at the same point" in output, output
+    errors = [line for line in output.splitlines() if line.startswith("paratrain.errors.CollectiveError: ")]
+    assert errors and all(call in line for line in errors), output
+    assert len({line.split(":", 2)[1] for line in errors}) == len(errors), output  # one diagnosis a rank
+    summaries = [line for line in output.splitlines() if line.startswith("paratrain launch: rank ")]
+    assert all(call not in line for line in summaries), summaries
+
+
+def test_a_stack_in_a_paratrain_call_names_the_call_and_the_users_line():
+    """The frames a report carries (innermost last): the user's line, then paratrain's public call."""
+    user = {"file": "/home/me/train.py", "line": 40, "function": "<module>"}
+    barrier = [user, {"file": f"{PACKAGE_DIR}/parallel.py", "line": 476, "function": "barrier"}]
+    backward = [{**user, "line": 35}, {"file": f"{PACKAGE_DIR}/parallel.py", "line": 339, "function": "backward"}]
+    assert paratrain_call(barrier) == ("par.barrier()", "/home/me/train.py:40", False)
+    assert paratrain_call(backward) == ("par.backward()", "/home/me/train.py:35", True)
+    assert paratrain_call([user]) is None
+
+    def rank(r: int, frames: list) -> RankReport:
+        return RankReport(r, "alive", True, stacks=[{"thread": "MainThread", "frames": frames}])
+
+    apart = HangReport(0, "", 1, 3.0, 0.0, [rank(0, barrier), rank(1, backward)])
+    said = paratrain_calls(apart)
+    assert "rank 0 in par.barrier() at /home/me/train.py:40, rank 1 in par.backward() at /home/me/train.py:35" in said
+    assert "Every rank calls par.barrier() at the same point" in said
+    together = HangReport(0, "", 1, 3.0, 0.0, [rank(0, backward), rank(1, backward)])
+    assert paratrain_calls(together) == ""  # the same call on every rank: a stall, not a skipped call
+
+
+def test_the_launchers_line_for_a_collective_error_is_its_short_summary():
+    """The message holds the whole diagnosis, printed once by the rank; the launcher's summary quotes the pointer."""
+    error = CollectiveError("rank 0: barrier (collective #1) did not complete within 3s: ...", summary="rank 0: short")
+    assert error_line(error) == "CollectiveError: rank 0: short"
+    assert error_line(ValueError("bad")) == "ValueError: bad"

@@ -78,7 +78,16 @@ class CollectiveError(DistributedError):
 
     Nothing may wait on that group afterwards (tearing it down would wait for the lost collective): leave the
     process, and the launcher stops the others.
+
+    The message is the whole diagnosis; ``summary`` is one short line pointing to it, which the launcher's
+    summary of a failed job quotes instead (the diagnosis is on the console once). ``backend_error`` is the
+    backend's own exception (gloo's "Connection closed by peer"), whose text the message already quotes.
     """
+
+    def __init__(self, message: str, summary: str | None = None, backend_error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.summary = summary
+        self.backend_error = backend_error
 
 
 class TrainingError(ParatrainError, RuntimeError):

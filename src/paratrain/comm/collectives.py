@@ -48,16 +48,21 @@ import torch.distributed as dist
 
 from paratrain.comm.process_groups import default_store, group_sequence, keep_forever, to_seconds, wait_work
 from paratrain.diagnostics.board import Board
-from paratrain.diagnostics.hang_report import Answerer, HangReport, gather
+from paratrain.diagnostics.hang_report import ANSWERING_WAIT_S, Answerer, HangReport, gather
 from paratrain.diagnostics.mismatch import RING, WINDOW, call_site, divergence, first_drift
+from paratrain.diagnostics.skipped import extra_collectives, paratrain_calls
 from paratrain.diagnostics.stacks import arm_signal_dump, drop_unused_dump
 from paratrain.errors import CollectiveError
+from paratrain.launch.failures import error_line, record_error
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor"]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective may wait for the other ranks, everywhere in paratrain
 DEFAULT_REPORT = "paratrain-hang-report.json"  # where a hang report goes unless told (the current directory)
 EXIT_COLLECTIVE_FAILED = 1
+# a rank behind its peer in the group's numbers leaves the report to the rank ahead (it alone knows the extra
+# collective's call site) for this many heartbeats, then reports itself (the rank ahead may be unable to)
+BEHIND_WAITS_BEATS = 3
 
 
 @dataclass
@@ -110,6 +115,9 @@ class CollectiveMonitor:
         # the WINDOW of them (which of the group's collectives were paratrain's, and what each was)
         self._history: deque[list[Any]] = deque(maxlen=WINDOW)
         self._pending: list[_Pending] = []
+        self._behind_since: float | None = None  # when the drift check first saw this rank behind its peer
+        self._diagnosing: threading.Thread | None = None  # the thread that says what went wrong: only one does
+        self._said = threading.Event()
         self._lock = threading.Lock()
         self._dump = arm_signal_dump()  # a rank stuck in native code can still show its stacks
         if not faulthandler.is_enabled():  # a backend that aborts the process (gloo on mismatched sizes) shows where
@@ -200,8 +208,11 @@ class CollectiveMonitor:
         try:
             finished = wait_work(handle, self.timeout)
         except RuntimeError as exc:
-            raise self._failed(self.failure_error(seq, what, exc)) from exc
+            self._claim_or_wait()
+            # from None: the error quotes the backend's text once; the backend's exception is kept on it
+            raise self._failed(self.failure_error(seq, what, exc)) from None
         if not finished:
+            self._claim_or_wait()
             raise self._failed(self.timeout_error(seq, what))
         self._in, self._done = None, (seq, what)
         self.waited += time.monotonic() - started
@@ -215,6 +226,19 @@ class CollectiveMonitor:
             if entry[0] < seq:
                 return
 
+    def _claim(self) -> bool:
+        """True for the first thread of this process to say what went wrong here; False for any other."""
+        with self._lock:
+            if self._diagnosing is None:
+                self._diagnosing = threading.current_thread()
+            return self._diagnosing is threading.current_thread()
+
+    def _claim_or_wait(self) -> None:
+        """The host's wait failed or timed out: say why, unless the board's thread already does (the drift check,
+        which ends the process when it has said it); then wait for that, so the console has one diagnosis."""
+        if not self._claim():
+            self._said.wait(2 * ANSWERING_WAIT_S)
+
     def _failed(self, error: CollectiveError) -> CollectiveError:
         if self.failure is None:
             self.failure = str(error)
@@ -227,7 +251,11 @@ class CollectiveMonitor:
         if self._answerer is not None:
             self._answerer.beat()
         if self._checks:
-            self._check_drift()
+            try:
+                self._check_drift()
+            finally:  # reached only when it did not end the process: a host thread waiting on it goes on
+                if self._diagnosing is threading.current_thread():
+                    self._said.set()
 
     def _watch(self) -> None:
         """Drop finished collectives the host did not wait for; end the process for an overdue one."""
@@ -246,27 +274,71 @@ class CollectiveMonitor:
             return
         peer = board.global_ranks[1 if board.rank == 0 else 0]
         entry = board.read_one(peer)
-        drift = first_drift([e[:2] for e in self._history][-RING:], (entry or {}).get("ring") or [])
+        # all of this rank's history: a peer far behind in its steps published a ring older than this rank's last
+        drift = first_drift([e[:2] for e in self._history], (entry or {}).get("ring") or [])
         if drift is None:
             return
         seq, here, there = drift
+        if here < there and not self._behind_long_enough(entry or {}):
+            return  # the rank ahead made the extra collective, knows where, and says so
+        if not self._claim():
+            return  # the host's wait failed first, and says why (this rank's extra collective too)
+        if here > there:
+            board.failed(seq)  # the peer behind sees that this rank is reporting
         ahead, behind = (self.global_rank, peer) if here > there else (peer, self.global_rank)
         what = (
             f"ranks ran different collectives: paratrain's collective #{seq} is the group's #{here} on rank "
             f"{self.global_rank} but #{there} on rank {peer}, so rank {ahead} ran {abs(here - there)} collective(s) "
             f"rank {behind} did not (a torch.distributed call under a condition on the rank?)"
         )
+        if here > there:  # this rank made the extra collective: its own record says which, and where
+            extra = extra_collectives(self._group, list(self._history), {peer: (entry or {}).get("ring") or []})
+            if extra:
+                self._leave_first(seq, f"rank {self.global_rank}: {what}: rank {self.global_rank} ran {extra}")
         report = self._report(seq, what, seqs=range(max(1, min(here, there) - WINDOW), max(here, there) + 1))
         error = self._failed(
-            CollectiveError(f"rank {self.global_rank}: {what}{_parted(report)}{_report_suffix(report)}")
+            CollectiveError(
+                f"rank {self.global_rank}: {what}{_parted(report)}{_report_suffix(report)}",
+                summary=_summary(self.global_rank, "ranks ran different collectives"),
+            )
         )
         self._leave(error, report)
+
+    def _leave_first(self, seq: int, message: str) -> None:
+        """Say ``message`` at once, then gather the report (its answers without call sites: quick) and leave; the
+        peers' own errors, which may end the job meanwhile, come after this rank's."""
+        error = self._failed(
+            CollectiveError(
+                f"{message}. A hang report follows (every rank's state, collective and stacks): {self.report_path}",
+                summary=_summary(self.global_rank, "ranks ran different collectives"),
+            )
+        )
+        print(f"paratrain: {error}", file=sys.stderr, flush=True)
+        report = self._report(seq, str(error).partition(": ")[2])
+        if report is not None:
+            print(report.render(), file=sys.stderr, flush=True)
+        # recorded last: a rank stopped by the launcher meanwhile must not look like the job's first failure
+        record_error(error_line(error))
+        sys.stdout.flush()
+        drop_unused_dump()
+        os._exit(EXIT_COLLECTIVE_FAILED)
+
+    def _behind_long_enough(self, peer_entry: dict[str, Any]) -> bool:
+        """This rank is behind its peer: True once the peer, ahead, has had its heartbeats to report and did not."""
+        if peer_entry.get("failed") is not None:
+            return False  # the peer is reporting (or failed on its own): its error says more than this rank could
+        now = time.monotonic()
+        if self._behind_since is None:
+            self._behind_since = now
+        interval = self._board.interval if self._board is not None else 1.0
+        return now - self._behind_since >= BEHIND_WAITS_BEATS * interval
 
     def _leave(self, error: CollectiveError, report: HangReport | None = None) -> None:
         """End this process from the board's thread, with the error and the report on stderr (exit code 1)."""
         if report is not None:
             print(report.render(), file=sys.stderr, flush=True)
         print(f"paratrain: {error}", file=sys.stderr, flush=True)
+        record_error(error_line(error))  # the launcher's summary: one short line pointing here
         sys.stdout.flush()
         drop_unused_dump()  # os._exit skips atexit, where the stack file would go
         os._exit(EXIT_COLLECTIVE_FAILED)
@@ -319,10 +391,12 @@ class CollectiveMonitor:
         if report is not None:
             print(report.render(), file=sys.stderr, flush=True)
         return CollectiveError(
-            f"rank {self.global_rank}: {what} (collective #{seq}) did not complete within {self.timeout:g}s: {who}. "
+            f"rank {self.global_rank}: {what} (collective #{seq}) did not complete within {self.timeout:g}s: {who}"
+            f"{self._why(report)}. "
             f"Check those processes (stuck, crashed, or skipping a forward/backward the others ran); use "
             f"join() for uneven inputs; raise the limit with timeout=... (paratrain train --timeout)"
-            f"{_report_suffix(report)}"
+            f"{_report_suffix(report)}",
+            summary=_summary(self.global_rank, f"{what} (collective #{seq}) did not complete"),
         )
 
     def failure_error(self, seq: int, what: str, exc: BaseException) -> CollectiveError:
@@ -343,8 +417,34 @@ class CollectiveMonitor:
             elif unknown:
                 who = ": the store is unreachable, so its host (the launcher, or rank 0) is probably gone"
         return CollectiveError(
-            f"rank {self.global_rank}: {what} (collective #{seq}) failed{who} ({reason}){_report_suffix(report)}"
+            f"rank {self.global_rank}: {what} (collective #{seq}) failed{who} ({reason}){self._why(report)}"
+            f"{_report_suffix(report)}",
+            summary=_summary(self.global_rank, f"{what} (collective #{seq}) failed"),
+            backend_error=exc,
         )
+
+    def _why(self, report: HangReport | None) -> str:
+        """What made the ranks part, where this rank or the report can tell: a collective of the user's this rank
+        made and a peer did not (from the peers' rings on the board and this rank's Flight Recorder), or ranks in
+        different paratrain calls (from the report's stacks)."""
+        board = self._board
+        if board is None:
+            return ""
+        extra = None
+        if self._checks and self.world_size > 1:
+            rings = {rank: (entry or {}).get("ring") or [] for rank, entry in board.read().items()}
+            extra = extra_collectives(self._group, list(self._history), rings)
+        if extra:
+            return (
+                f". The cause: rank {self.global_rank} ran {extra}; every rank makes the same collectives in the "
+                f"same order"
+            )
+        return paratrain_calls(report) if report is not None else ""
+
+
+def _summary(rank: int, what: str) -> str:
+    """The launcher's line for a rank whose error was printed whole: it points there."""
+    return f"rank {rank}: {what}; the diagnosis is in rank {rank}'s output above"
 
 
 def _ranks(ranks: list[int]) -> str:

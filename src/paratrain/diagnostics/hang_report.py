@@ -95,7 +95,8 @@ class HangReport:
 
     def render(self) -> str:
         """A few lines per rank: what it is doing and where."""
-        lines = [f"paratrain hang report (rank {self.by}): {self.what}"]
+        # the error printed after it says what went wrong, once: the heading only names the collective
+        lines = [f"paratrain hang report (rank {self.by}), collective #{self.seq}: every rank's state"]
         for r in self.ranks:
             where = f" on {r.host} (pid {r.pid})" if r.host else ""
             lines.append(f"  rank {r.rank}{where}: {r.state}")

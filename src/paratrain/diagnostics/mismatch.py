@@ -6,7 +6,8 @@ the user's own ``torch.distributed`` calls included) on every rank. When a rank 
 not (an all-reduce under ``if rank == 0:``, a log call with different keys per rank), its numbers run ahead: a
 same-sized all-reduce would be summed silently into another rank's gradients. Each rank publishes its latest
 (paratrain's number, the group's number) pairs on the board, and its board thread compares them with a peer's
-within a beat::
+within a beat (the rank ahead reports: it made the extra collective, and its own Flight Recorder says where,
+:mod:`paratrain.diagnostics.skipped`)::
 
     drift = first_drift(mine=[[5, 12], [6, 13]], theirs=[[5, 12], [6, 14]])     # -> (6, 13, 14)
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 from paratrain.diagnostics.stacks import PACKAGE_DIR, TORCH_DIR, user_frame
 
-__all__ = ["RING", "WINDOW", "divergence", "first_drift"]
+__all__ = ["RING", "WINDOW", "call_site", "divergence", "first_drift", "is_ours"]
 
 RING = 16  # the latest collectives each rank publishes
 WINDOW = 64  # how far back the Flight Recorder is searched for the collective where ranks parted
@@ -44,7 +45,7 @@ def divergence(
         other = there.get(int(here["seq"]))
         if other is None:
             continue
-        same_call = _ours(here) == _ours(other)
+        same_call = is_ours(here) == is_ours(other)
         if not same_call or (here["op"], here["sizes"], here["dtypes"]) != (
             other["op"],
             other["sizes"],
@@ -59,14 +60,14 @@ def call_site(collective: dict[str, Any], history: Sequence[Sequence[Any]] = ())
     the rank's [paratrain's number, the group's number, what] of its latest collectives)."""
     tensors = ", ".join(f"{d.lower()} {s}" for s, d in zip(collective["sizes"], collective["dtypes"], strict=False))
     described = f"{collective['op']}({tensors})"
-    if _ours(collective):
+    if is_ours(collective):
         what = next((e[2] for e in history if int(e[1]) == int(collective["seq"]) and e[2]), None)
         return f"paratrain's {what} ({described})" if what else f"{described} (one of paratrain's own)"
     frame = user_frame(list(collective.get("frames", [])))
     return f"{described} at {frame['file']}:{frame['line']}" if frame else described
 
 
-def _ours(collective: dict[str, Any]) -> bool:
+def is_ours(collective: dict[str, Any]) -> bool:
     """True when paratrain's code called it (its innermost frame outside torch is paratrain's)."""
     for frame in reversed(list(collective.get("frames", []))):
         path = str(frame.get("file", ""))

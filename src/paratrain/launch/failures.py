@@ -23,7 +23,7 @@ from typing import Any
 
 from paratrain.files import atomic_writer
 
-__all__ = ["EXIT_OUTPUT_CLOSED", "exit_code_of", "output_closed", "record_error", "summary_lines"]
+__all__ = ["EXIT_OUTPUT_CLOSED", "error_line", "exit_code_of", "output_closed", "record_error", "summary_lines"]
 
 EXIT_OUTPUT_CLOSED = 128 + signal.SIGPIPE.value  # 141: a Unix tool whose output's reader went away
 _STOPPED = (-signal.SIGTERM, -signal.SIGKILL)  # how torchrun stops the other workers after a failure
@@ -48,6 +48,14 @@ def record_error(message: str) -> None:
             json.dump(data, file)
     except OSError:  # the summary then says less; the error itself was printed by the worker
         pass
+
+
+def error_line(exc: BaseException) -> str:
+    """What to record of ``exc`` for the launcher's summary: its type and message, or for an error whose message
+    was printed whole already (a :class:`paratrain.errors.CollectiveError`, with its hang report) its short
+    ``summary``, which points there."""
+    summary = getattr(exc, "summary", None)
+    return f"{type(exc).__name__}: {summary if isinstance(summary, str) and summary else exc}"
 
 
 def exit_code_of(exitcode: int) -> int:

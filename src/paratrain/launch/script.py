@@ -17,7 +17,7 @@ import sys
 import traceback
 from typing import Any, TextIO
 
-from paratrain.launch.failures import record_error
+from paratrain.launch.failures import error_line, record_error
 
 _EXIT_INTERRUPTED = 130
 
@@ -66,7 +66,7 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(_EXIT_INTERRUPTED)
     except BaseException as exc:
-        record_error(f"{type(exc).__name__}: {exc}")
+        record_error(error_line(exc))
         # the traceback Python would print for the script run directly: without this module's and runpy's frames
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>", runpy.__file__):

@@ -60,9 +60,9 @@ def main(argv: list[str]) -> int:
 
 
 def _failed(exc: ParatrainError, code: int) -> int:
-    message = f"paratrain train: error: {exc}"
-    print(message, file=sys.stderr)
-    record_error(message)  # the launcher's line for this rank quotes it
+    print(f"paratrain train: error: {exc}", file=sys.stderr)
+    summary = getattr(exc, "summary", None)  # a CollectiveError's short line: its diagnosis is printed just above
+    record_error(f"paratrain train: error: {summary or exc}")  # the launcher's line for this rank quotes it
     return code
 
 
