@@ -48,12 +48,12 @@ import torch.distributed as dist
 
 from paratrain.comm.process_groups import default_store, group_sequence, keep_forever, to_seconds, wait_work
 from paratrain.diagnostics.board import Board
+from paratrain.diagnostics.error_file import error_line, record_error
 from paratrain.diagnostics.hang_report import ANSWERING_WAIT_S, Answerer, HangReport, gather
 from paratrain.diagnostics.mismatch import RING, WINDOW, call_site, divergence, first_drift
 from paratrain.diagnostics.skipped import extra_collectives, paratrain_calls
 from paratrain.diagnostics.stacks import arm_signal_dump, drop_unused_dump
 from paratrain.errors import CollectiveError
-from paratrain.launch.failures import error_line, record_error
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CollectiveMonitor"]
 

@@ -14,48 +14,16 @@ a log file it names.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import time
-import traceback
 from typing import Any
 
-from paratrain.files import atomic_writer
+from paratrain.diagnostics.error_file import error_line, record_error
 
 __all__ = ["EXIT_OUTPUT_CLOSED", "error_line", "exit_code_of", "output_closed", "record_error", "summary_lines"]
 
 EXIT_OUTPUT_CLOSED = 128 + signal.SIGPIPE.value  # 141: a Unix tool whose output's reader went away
 _STOPPED = (-signal.SIGTERM, -signal.SIGKILL)  # how torchrun stops the other workers after a failure
 _NO_RECORD = "To enable traceback see"  # what torchrun's table says for a rank that recorded nothing
-
-
-def record_error(message: str) -> None:
-    """Record ``message`` as this worker's error in torchrun's error file (nothing outside a torchrun worker).
-
-    The file is replaced whole, and a symbolic link found at its path is replaced, never followed."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {
-        "message": {
-            "message": message,
-            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
-        }
-    }
-    try:
-        with atomic_writer(path, "w", follow_links=False) as file:
-            json.dump(data, file)
-    except OSError:  # the summary then says less; the error itself was printed by the worker
-        pass
-
-
-def error_line(exc: BaseException) -> str:
-    """What to record of ``exc`` for the launcher's summary: its type and message, or for an error whose message
-    was printed whole already (a :class:`paratrain.errors.CollectiveError`, with its hang report) its short
-    ``summary``, which points there."""
-    summary = getattr(exc, "summary", None)
-    return f"{type(exc).__name__}: {summary if isinstance(summary, str) and summary else exc}"
 
 
 def exit_code_of(exitcode: int) -> int:
