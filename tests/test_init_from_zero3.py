@@ -228,3 +228,28 @@ def test_a_zero3_rank_capped_below_the_whole_model_and_its_shards_trains_from_th
         f"{', '.join(f'{d:.1f}' for d in data)} MiB at the last forward"
     )
     assert all(g * MIB < whole + shards for g in grown), grown
+
+
+def test_a_file_that_does_not_fit_is_the_same_one_error_in_every_process_before_training(
+    nets: Any, tmp_path: Path
+) -> None:
+    from processes import run_cli
+
+    weights = _weights(nets, "small")
+    head, bias = list(weights)[-2:]
+    weights[head], weights[bias] = weights[head][:5].clone(), weights[bias][:5].clone()  # 5 classes, not 10
+    torch.save(weights, tmp_path / "misfit.pt")
+    flags = ["--model", "zero3_nets:small", "--init-from", str(tmp_path / "misfit.pt"), "--checkpoint-dir", "c"]
+    done = run_cli("train", "--strategy", "zero3", "--nproc-per-node", "2", *flags)
+    error = (
+        f"paratrain train: error: --init-from {tmp_path / 'misfit.pt'} does not fit the model: {head!r} has shape "
+        f"(5, 64) there, (10, 64) in the model. Give weights of this model (the same --model, --width, --depth)"
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    # every process found it (the launcher may stop the second before it reports): the same words, each time
+    told = [line for line in lines if "does not fit" in line]
+    ours = {error, *(f"paratrain train: rank {r} exited with code 2: {error}" for r in range(2))}
+    assert told and set(told) <= ours and error in told, done.stderr
+    assert not any("Traceback" in line for line in lines), done.stderr
+    assert "Training" not in done.stdout and latest_checkpoint("c") is None
