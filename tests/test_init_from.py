@@ -138,7 +138,8 @@ def test_a_checkpoint_to_resume_takes_precedence_over_init_from(tmp_path, capsys
 @pytest.mark.processes
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero3", marks=pytest.mark.slow)])
 def test_two_processes_start_from_a_safetensors_file(tmp_path, strategy):
-    """Each process loads the file into its plain model before prepare; zero3 then keeps its shards of it."""
+    """ddp: each process loads the file into its plain model before prepare; zero3: each reads its shards of it
+    into the model built on the meta device (tests/test_init_from_zero3.py)."""
     pytest.importorskip("safetensors")
     from processes import run_cli
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from paratrain.checkpoint.mapped import load_mapped
 from paratrain.checkpoint.state_dicts import describe_keys
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.files import atomic_writer
@@ -188,8 +189,13 @@ def _digest_into(digest: Any, value: Any) -> None:
         digest.update(f"{type(value).__name__}:{value!r}|".encode())
 
 
-def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path, *, map_location: str | torch.device = "cpu", mapped: bool = False
+) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint`, with ``torch.load(weights_only=True)``.
+
+    ``mapped``: its tensors as read-only views of the file (:func:`paratrain.checkpoint.mapped.load_mapped`), to
+    be copied from, never written into; the digest is checked by reading each of them once.
 
     Returns the state that was saved, without the ``format`` / ``format_version`` markers.
 
@@ -220,7 +226,7 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
         raise CheckpointError(f"cannot read checkpoint {path}: {_describe_os_error(err)}") from err
     try:
         # read on the CPU: the digest is checked there, before anything moves to map_location
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        loaded = load_mapped(path) if mapped else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(_explain_load_failure(path, head, err)) from err
 

@@ -9,7 +9,8 @@ Every format is read on the CPU, checked against the model's state dict (keys an
 is named, before anything is loaded), and loaded strictly with ``load_state_dict``; a ``module.`` prefix (a DDP
 wrapper's) is dropped, and dtypes are converted as ``load_state_dict`` converts them. A DCP directory's keys may
 sit under ``model.`` (as ``paratrain checkpoint export`` writes them) or at the top (``dcp.save(model.state_dict())``);
-it is read straight into the model's tensors. A torch file is memory-mapped.
+it is read straight into the model's tensors. A torch file is memory-mapped. Under zero3 ``paratrain train``
+reads the same formats a tensor at a time into each rank's shards instead (:mod:`paratrain.checkpoint.lazy_weights`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from paratrain.checkpoint.consolidate import find_checkpoint
 from paratrain.checkpoint.dcp_export import is_dcp_checkpoint
 from paratrain.checkpoint.file import FORMAT, load_checkpoint
 from paratrain.checkpoint.formats import require_safetensors
-from paratrain.checkpoint.sharded import is_sharded_checkpoint, materialize, open_sharded
+from paratrain.checkpoint.lazy_weights import FileTensor
+from paratrain.checkpoint.sharded import StoredTensor, is_sharded_checkpoint, materialize, open_sharded
 from paratrain.checkpoint.state_dicts import describe_keys, strip_module_prefix
 from paratrain.errors import CheckpointError, ConfigError
 
@@ -86,12 +88,19 @@ def check_fits_model(expected: Mapping[str, Any], found: Mapping[str, Any], what
             f"(the same --model, --width, --depth)"
         )
     for key, want in expected.items():
-        got = found[key]
-        if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor | _Shaped) and got.shape != want.shape:
+        got = _shape_of(found[key])
+        if isinstance(want, torch.Tensor) and got is not None and got != tuple(want.shape):
             raise ConfigError(
-                f"{what} does not fit the model: {key!r} has shape {tuple(got.shape)} there, {tuple(want.shape)} in "
+                f"{what} does not fit the model: {key!r} has shape {got} there, {tuple(want.shape)} in "
                 f"the model. Give weights of this model (the same --model, --width, --depth)"
             )
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+    """The shape of a tensor, or of one described or read on demand (a DCP entry, a FileTensor, a StoredTensor)."""
+    if isinstance(value, torch.Tensor | _Shaped | FileTensor | StoredTensor):
+        return tuple(value.shape)
+    return None
 
 
 class _Shaped:

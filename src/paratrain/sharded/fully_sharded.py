@@ -528,6 +528,35 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             if not was:
                 unit.free()
 
+    def full_state_items(self) -> Iterator[tuple[str, Any]]:
+        """The module's state dict, entry by entry in its order, each parameter whole (a copy, from its unit's
+        gathered weights; a collective: every rank iterates to the end). One unit is
+        gathered at a time, so the whole model is never held (a fingerprint of a zero3 model: paratrain train)."""
+        with self.sharded_state():
+            state = self.module.state_dict()
+        where = {name: self._unit_of[id(p)] for name, p in self.module.named_parameters(remove_duplicate=False)}
+        current: ShardedUnit | None = None
+        kept = False  # the current unit was gathered before (the root's, kept through a forward): left so
+
+        def release() -> None:
+            if current is not None and not kept:
+                current.free()
+
+        try:
+            for key, value in state.items():
+                found = where.get(key)
+                if found is None:
+                    yield key, value
+                    continue
+                unit, i = found
+                if unit is not current:
+                    release()
+                    current, kept = unit, unit.gathered and unit.gathering is None
+                    self._gather(unit)
+                yield key, unit.views[i].detach().clone()  # a copy: a view handed to numpy pins the storage
+        finally:
+            release()
+
     def gather_all(self) -> None:
         """Every unit's whole weights, the parameters views of them (before a load_state_dict writes into them)."""
         for unit in self.units:

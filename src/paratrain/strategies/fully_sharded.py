@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from paratrain.checkpoint.lazy_weights import FileTensor
 from paratrain.checkpoint.sharded import LocalSlices, StoredTensor, materialize
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from paratrain.ddp.options import DDPOptions, Refusal
@@ -205,7 +206,9 @@ class Zero3Strategy(ShardedStrategy):
         return state
 
     def load_model_state(self, model: nn.Module, state: Mapping[str, Any]) -> None:
-        """Fill this rank's shards from a checkpoint's model state (any strategy's), reading only its slices."""
+        """Fill this rank's shards from a checkpoint's model state (any strategy's), reading only its slices; or
+        from a weights file opened by :func:`~paratrain.checkpoint.lazy_weights.open_weights` (``--init-from``),
+        reading one tensor of it at a time."""
         wrapper = self.wrapper_of(model, "loading the model")
         module = wrapper.module
         with wrapper.sharded_state():
@@ -227,14 +230,14 @@ class Zero3Strategy(ShardedStrategy):
         with torch.no_grad():
             for key, value in state.items():
                 if key in buffers:
-                    buffers[key].copy_(materialize(value))
+                    buffers[key].copy_(value.full() if isinstance(value, FileTensor) else materialize(value))
 
 
 def _slice(value: Any, piece: OwnedPiece, key: str) -> torch.Tensor:
     """Elements ``[piece.start, piece.start + length)`` of the saved tensor ``value`` (stored lazily, or whole)."""
     shape = tuple(piece.param.shape)
-    if isinstance(value, StoredTensor):
-        if value.shape != shape:
+    if isinstance(value, StoredTensor | FileTensor):
+        if tuple(value.shape) != shape:
             raise CheckpointError(f"the checkpoint's {key} has shape {value.shape}; this model's is {shape}")
         return value.read(piece.start, piece.length).to(piece.value.device)
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:

@@ -93,8 +93,9 @@ class TrainConfig(CollectiveSettings, StepSettings, OptimizerSettings, DataSetti
     init_from: str | None = setting(
         None,
         "start from these weights (a state dict .pt, a .safetensors file, a torch.distributed.checkpoint "
-        "directory, or a paratrain checkpoint) instead of the seed's, under any strategy; a checkpoint --resume "
-        "continues takes precedence (--resume if-exists: the file's weights until the run has a checkpoint)",
+        "directory, or a paratrain checkpoint) instead of the seed's, under any strategy (zero3: each process reads "
+        "its shards, a tensor at a time, never the whole model); a checkpoint --resume continues takes precedence "
+        "(--resume if-exists: the file's weights until the run has a checkpoint)",
         metavar="FILE",
     )
     metrics_out: str | None = setting(None, "write the results as JSON", metavar="FILE.json")

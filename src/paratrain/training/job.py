@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.file import check_writable
-from paratrain.checkpoint.weights import load_weights
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import TrainingError, TrainingInterrupted
 from paratrain.files import is_stdout, remove_stale_temporaries
@@ -31,11 +30,12 @@ from paratrain.launch.config import LaunchConfig
 from paratrain.loop.prepared import idle_processes
 from paratrain.parallel import Parallel, seed_everything
 from paratrain.strategies import resolve_devices, resolve_strategy
+from paratrain.strategies.fully_sharded import Zero3Strategy
 from paratrain.training.config import TrainConfig
 from paratrain.training.data import TensorData, parse_input_shape
 from paratrain.training.datasets import load_dataset
-from paratrain.training.fit import check_fits
 from paratrain.training.flops import peak_flops, step_flops
+from paratrain.training.initial_weights import initial_model
 from paratrain.training.interrupt import StopRequest, interrupted_message
 from paratrain.training.loader import DeviceLoader
 from paratrain.training.log_line import StepMeter
@@ -159,16 +159,21 @@ class _Run:
                 seed=config.seed,
             )
         seed_everything(config.seed)  # the same initial weights in every process and every strategy
-        model = build_model_spec(
-            config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
+        from_file = config.init_from if self.resume_path is None else None
+        start = initial_model(
+            lambda: build_model_spec(
+                config.model, self.splits.input_shape, self.splits.num_classes, width=config.width, depth=config.depth
+            ),
+            from_file,
+            par.strategy_name,
+            self.splits.train.inputs[:2],
+            input_shape=self.splits.input_shape,
+            spec=config.model,
         )
-        check_fits(model, self.splits.train.inputs[:2], input_shape=self.splits.input_shape, spec=config.model)
-        if config.init_from is not None and self.resume_path is None:
-            # into the plain model, before prepare, in every process: each holds the whole model here (zero3 too,
-            # which keeps only its shards once prepared)
-            read = load_weights(config.init_from, model)
-            self.say(f"Starting from the weights in {config.init_from} ({read})")
-        elif config.init_from is not None:  # the checkpoint's weights replace any: the file is not read
+        model = start.model
+        if start.said is not None:
+            self.say(start.said)
+        elif config.init_from is not None and from_file is None:  # the checkpoint's weights replace any: not read
             self.say(f"Not reading --init-from {config.init_from}: the run continues its checkpoint {self.resume_path}")
         # the optimizer's parameters by name, in the order of its indices (it is built over model.parameters()):
         # recorded in every checkpoint, so an export keys the optimizer's state by name (checkpoint export)
@@ -185,6 +190,8 @@ class _Run:
         # prepared before anything is restored into them: under zero1/zero2 the optimizer becomes one over this
         # process's shard, which the schedule must drive and which reads only its slices of a checkpoint
         self.model, self.optimizer, self.loader = par.prepare(model, optimizer, loader)
+        if start.weights is not None:  # zero3: each process copies its shards from the file, a tensor at a time
+            self.say(start.fill(par, self.model) or "")
         optimizer = self.optimizer
         # built before a resume restores the optimizer: building a schedule sets the learning rate
         self.scheduler = build_scheduler(
@@ -248,6 +255,13 @@ class _Run:
         self.interrupted = False
         self.loop_start = 0.0
         self.invocation: Invocation | None = None
+
+    def _model_state(self) -> Iterable[tuple[str, Any]]:
+        """The trained model's state dict items; under zero3 gathered one unit at a time, never the whole model."""
+        strategy = self.par.strategy
+        if isinstance(strategy, Zero3Strategy):
+            return strategy.wrapper_of(self.model, "the model's fingerprint").full_state_items()
+        return self.par.unwrap(self.model).state_dict().items()
 
     def say(self, line: str) -> None:
         if not self.config.quiet:
@@ -473,7 +487,7 @@ class _Run:
             strategy=par.strategy_name,
             devices=par.world_devices(),
             seed=config.seed,
-            model_fingerprint=fingerprint(par.unwrap(self.model).state_dict()),
+            model_fingerprint=fingerprint(self._model_state()),
             model=config.model,
             dataset=config.dataset_name,
             batch_size=config.batch_size,

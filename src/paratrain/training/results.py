@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,11 @@ from paratrain.files import atomic_writer
 __all__ = ["TrainResult", "fingerprint", "write_metrics"]
 
 
-def fingerprint(state: Mapping[str, Any]) -> str:
-    """sha256 of a state_dict's tensors in key order (names, dtypes and shapes included)."""
+def fingerprint(state: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> str:
+    """sha256 of a state_dict's tensors in key order (names, dtypes and shapes included); the state may come as
+    its items, one at a time (a zero3 model's, gathered unit by unit)."""
     digest = hashlib.sha256()
-    for key, value in state.items():
+    for key, value in state.items() if isinstance(state, Mapping) else state:
         if not isinstance(value, torch.Tensor):
             continue
         t = value.detach().to("cpu").contiguous()
