@@ -141,18 +141,18 @@ def test_zero3_from_a_file_trains_the_numbers_of_ddp_and_of_the_whole_model_path
     steps = ["--max-steps", "4", "--momentum", "0.9"]
     ddp = _train("ddp", "small", source, "ddp", *steps)
     sharded = _train("zero3", "small", source, "zero3", *steps)
-    whole = _train("zero3", "small_with_a_buffer_no_file_holds", source, "whole", *steps)
+    buffered = _train("zero3", "small_with_a_buffer_no_file_holds", source, "whole", *steps)
     assert f"Starting from the weights in {source} (torch state dict, 6 tensors)" in sharded.splitlines()
     assert "Starting from the weights in" in ddp and "held the whole model" not in sharded
-    held = f"Starting from the weights in {source} (torch state dict, 6 tensors; each process held the whole model: "
-    assert any(line.startswith(held) and "scratch is not in the state dict" in line for line in whole.splitlines())
+    # a buffer no file holds (persistent=False) comes from the replayed construction: still read shard by shard
+    assert f"Starting from the weights in {source} (torch state dict, 6 tensors)" in buffered.splitlines()
     a, b, c = _trained("ddp"), _trained("zero3"), _trained("whole")
     assert a.keys() == b.keys() == c.keys()
     first = next(iter(a))
     assert not torch.equal(a[first], _weights(nets, "small")[first])  # it trained: the comparisons mean something
     for key in a:
         assert torch.equal(a[key], b[key]), key  # bit for bit: ddp's numbers
-        assert torch.equal(b[key], c[key]), key  # and the whole-model path's (today's before the shards were read)
+        assert torch.equal(b[key], c[key]), key  # the model with a buffer outside the state dict too
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "dcp", "sharded", "checkpoint-file"])

@@ -3,10 +3,12 @@ the weights and the generator a plain build leaves, a tensor at a time, and zero
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from nanogpt_shaped import NanoGPT
+from paratrain.errors import ConfigError
 from paratrain.sharded.fully_sharded import FullyShardedDataParallel
 from paratrain.sharded.init_record import record_init
 
@@ -84,3 +86,29 @@ def test_a_replay_holds_a_tensor_or_two_at_a_time_not_the_model():
     record.replay(torch.device("cpu"))
     layer = (256 * 256 + 256) * 4
     assert record.peak_bytes <= 2 * layer < 8 * layer, record.peak_bytes
+
+
+def test_looking_at_the_weights_after_building_keeps_no_tensor_alive():
+    def build() -> nn.Module:  # what scripts do after building: freeze, count, read shapes, take .data
+        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))
+        for p in model.parameters():
+            p.requires_grad_(False)
+            _ = p.data, p.shape, p.numel(), p[0]
+        return model
+
+    plain, _ = _plain(build)
+    model, _, record = _recorded(build)
+    values = {}
+    record.replay(torch.device("cpu"), lambda key, flat: values.__setitem__(key, flat.clone()))
+    assert record.peak_bytes <= 2 * (256 * 256 + 256) * 4, record.peak_bytes
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(values[int(q.untyped_storage()._cdata)].view_as(p), p)
+
+
+def test_a_meta_tensor_made_before_the_block_is_refused_when_the_block_ends():
+    with torch.device("meta"):
+        outside = torch.empty(4, 4)
+    with pytest.raises(ConfigError, match="did not make"), record_init():
+        model = nn.Linear(4, 4)
+        with torch.no_grad():
+            model.weight.add_(outside)

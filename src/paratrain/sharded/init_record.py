@@ -104,6 +104,26 @@ class _Call:
     outputs: list[_Ref]
 
 
+# in-place by name but metadata only: they change no element
+_METADATA = {"requires_grad_", "retain_grad", "share_memory_", "register_hook", "resize_as_"}
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The meta tensors a call writes: an in-place call's first tensor (``normal_``, ``nn.init.*_``,
+    ``__setitem__``) and what ``out=`` names."""
+    name = getattr(func, "__name__", "")
+    written = _meta_tensors(kwargs.get("out"))
+    if name == "__setitem__" or (name.endswith("_") and not name.startswith("__") and name not in _METADATA):
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if isinstance(target, torch.Tensor) and target.is_meta:
+            written.insert(0, target)
+    return written
+
+
+def _name(call: _Call) -> str:
+    return repr(getattr(call.func, "__name__", str(call.func)))
+
+
 def _ref(t: torch.Tensor) -> _Ref:
     return _Ref(storage_key(t), tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
@@ -153,8 +173,16 @@ class InitRecord:
         _RECORDS.add(self)
 
     def _log(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Keep a call that makes a storage or writes one (what replay must do); views, aliases and metadata
+        (``weight.data``, ``w[0]``, ``size()``, ``requires_grad_()``) are left out: replay reaches every tensor
+        through its storage, and a call that only looks would keep every storage alive to its end."""
         inputs, outputs = _meta_tensors((args, kwargs)), _meta_tensors(out)
         if not inputs and not outputs:
+            return
+        given = {storage_key(t) for t in inputs}
+        written = _written(func, args, kwargs)
+        created = [t for t in outputs if storage_key(t) not in given and storage_key(t) not in self.storages]
+        if not written and not created:
             return
         at = len(self.calls)
         for t in (*inputs, *outputs):
@@ -165,14 +193,13 @@ class InitRecord:
             storage = self.storages[key]
             if not storage.uses or storage.uses[-1] != at:
                 storage.uses.append(at)
-        if func in _OVERWRITES:
-            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-            if isinstance(target, torch.Tensor) and target.is_meta:
-                ref = _ref(target)
-                storage = self.storages[ref.storage]
-                written_by_others = any(storage_key(t) == ref.storage for t in inputs if t is not target)
-                if _whole(ref, storage) and not written_by_others:
-                    storage.overwritten.add(at)
+        if func in _OVERWRITES and written:
+            target = written[0]
+            ref = _ref(target)
+            storage = self.storages[ref.storage]
+            read_too = any(storage_key(t) == ref.storage for t in inputs if t is not target)
+            if _whole(ref, storage) and not read_too:
+                storage.overwritten.add(at)
         refs = tree_map(lambda x: _ref(x) if isinstance(x, torch.Tensor) and x.is_meta else x, (args, kwargs))
         self.calls.append(_Call(func, refs, [_ref(t) for t in outputs]))
 
@@ -204,10 +231,17 @@ class InitRecord:
         self.peak_bytes = 0
         live: dict[int, torch.Tensor] = {}  # a storage -> its elements, flat, while its value can be read
 
+        at = 0
+
         def real(ref: _Ref) -> torch.Tensor:
             flat = live.get(ref.storage)
             if flat is None:
                 storage = self.storages[ref.storage]
+                if at not in storage.overwritten:  # not made by any call before, nor overwritten whole by this one
+                    raise ConfigError(
+                        f"the model's construction read a meta tensor it did not make ({_name(self.calls[at])} "
+                        f"took one made before the block began): build all of the model inside init_module()"
+                    )
                 flat = live[ref.storage] = torch.empty(storage.numel, dtype=storage.dtype, device=device)
             return flat.as_strided(ref.shape, ref.stride, ref.offset)
 
@@ -231,7 +265,7 @@ class InitRecord:
                     found = next((t for t in results if tuple(t.shape) == ref.shape), None)
                     if found is None or found.untyped_storage().nbytes() < self._bytes(ref.storage):
                         raise ConfigError(
-                            f"cannot replay {getattr(call.func, '__name__', call.func)!r} of the model's construction "
+                            f"cannot replay {_name(call)} of the model's construction "
                             f"on {device}: its result is not the tensor it made on the meta device; build the model "
                             f"on a real device"
                         )

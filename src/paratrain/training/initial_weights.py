@@ -10,11 +10,10 @@ device (shapes only); the file is opened, checked against the model's keys and s
 the one error, before training, in every process alike), and after ``prepare`` has materialised the model unit
 by unit (each rank keeping its shards) each rank copies its part of every unit's flat shard from the file, one
 tensor at a time (:func:`~paratrain.checkpoint.lazy_weights.open_weights`): no rank ever holds the whole model.
-``prepare`` initialises each unit with its modules' ``reset_parameters()`` first, drawing the random numbers a
-plain build draws, so the run goes on with the generator where a plain build leaves it, and trains the same
-numbers as the whole-model path (and as ddp). A model that cannot be built so (a module owning parameters or
-buffers without ``reset_parameters()``, a buffer outside the state dict, which no file holds) is built plainly
-and loaded whole, as under the other strategies, and the line saying where the weights came from says why.
+The model is built inside :func:`~paratrain.sharded.init_record.record_init`, and ``prepare`` replays its
+construction unit by unit (every module's own initialisation, ``reset_parameters()`` or not, and any buffer,
+in the state dict or not), drawing the random numbers a plain build draws in the same order, so the run goes on
+with the generator where a plain build leaves it and trains the same numbers as the whole-model path (and ddp).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from torch import nn
 
 from paratrain.checkpoint.lazy_weights import WeightFile, open_weights
 from paratrain.checkpoint.weights import check_fits_model, load_weights
+from paratrain.sharded.init_record import InitRecord, record_init
 from paratrain.training.fit import check_fits
 
 __all__ = ["Start", "initial_model"]
@@ -41,6 +41,7 @@ class Start:
     source: str | None = None  # --init-from
     weights: WeightFile | None = None  # opened, to be read into the shards after prepare
     said: str | None = None  # where the weights came from, when they are in the model already
+    record: InitRecord | None = None  # zero3: the model's construction on the meta device, for prepare to replay
 
     def fill(self, par: Any, prepared: nn.Module) -> str | None:
         """Copy this rank's shards from the file (zero3); the line saying where the weights came from."""
@@ -69,26 +70,17 @@ def initial_model(
             shape that differs), or none at ``init_from``.
     """
     if init_from is not None and strategy == "zero3":
-        generator = torch.get_rng_state()
-        with torch.device("meta"):
+        with record_init() as record:  # on the meta device; prepare replays the construction unit by unit
             model = build()
-        why = whole_model_needed(model)
-        if why is None:
-            check_fits(model, sample.to("meta"), input_shape=input_shape, spec=spec, meta=True)
-            expected = model.state_dict()
-            weights = open_weights(init_from, list(expected))
-            try:
-                check_fits_model(expected, weights.state, f"--init-from {init_from}")
-            except Exception:
-                weights.close()
-                raise
-            return Start(model, init_from, weights)
-        torch.set_rng_state(generator)  # the meta build drew nothing; the plain one draws what it always did
-        model = build()
-        check_fits(model, sample, input_shape=input_shape, spec=spec)
-        read = load_weights(init_from, model)
-        said = f"Starting from the weights in {init_from} ({read}; each process held the whole model: {why})"
-        return Start(model, init_from, said=said)
+        check_fits(model, sample.to("meta"), input_shape=input_shape, spec=spec, meta=True)
+        expected = model.state_dict()
+        weights = open_weights(init_from, list(expected))
+        try:
+            check_fits_model(expected, weights.state, f"--init-from {init_from}")
+        except Exception:
+            weights.close()
+            raise
+        return Start(model, init_from, weights, record=record)
     model = build()
     check_fits(model, sample, input_shape=input_shape, spec=spec)
     if init_from is None:
@@ -96,23 +88,3 @@ def initial_model(
     # into the plain model, before prepare, in every process
     read = load_weights(init_from, model)
     return Start(model, init_from, said=f"Starting from the weights in {init_from} ({read})")
-
-
-def whole_model_needed(model: nn.Module) -> str | None:
-    """Why a model built on the meta device cannot be filled from a file shard by shard (None: it can)."""
-    lacking = [
-        name or "(the root)"
-        for name, module in model.named_modules()
-        if (
-            any(p is not None for p in module._parameters.values())
-            or any(b is not None for b in module._buffers.values())
-        )
-        and not callable(getattr(module, "reset_parameters", None))
-    ]
-    if lacking:
-        return f"{', '.join(lacking[:3])} ha{'s' if len(lacking) == 1 else 've'} no reset_parameters()"
-    kept = set(model.state_dict())
-    outside = [name for name, _ in model.named_buffers() if name not in kept]
-    if outside:
-        return f"the buffer {outside[0]} is not in the state dict (persistent=False), so no file holds it"
-    return None
