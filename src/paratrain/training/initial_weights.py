@@ -1,4 +1,4 @@
-"""The model a run starts from: the seed's weights, or ``--init-from``'s, without the whole model on a zero3 rank.
+"""The model a run starts from: the seed's weights, or ``--init-from``'s; under zero3 never whole on one rank.
 
     start = initial_model(build, config.init_from, "zero3", sample, input_shape=(784,), spec="mlp")
     model, optimizer, loader = par.prepare(start.model, optimizer, loader)
@@ -6,7 +6,7 @@
 
 Under every strategy but zero3 the model is built plainly and the file loaded into it whole
 (:func:`~paratrain.checkpoint.weights.load_weights`), before ``prepare``. Under zero3 it is built on the meta
-device (shapes only); the file is opened, checked against the model's keys and shapes (the first that differs is
+device (shapes only), with or without a file; the file is opened, checked against the model's keys and shapes (the first that differs is
 the one error, before training, in every process alike), and after ``prepare`` has materialised the model unit
 by unit (each rank keeping its shards) each rank copies its part of every unit's flat shard from the file, one
 tensor at a time (:func:`~paratrain.checkpoint.lazy_weights.open_weights`): no rank ever holds the whole model.
@@ -69,10 +69,12 @@ def initial_model(
         ConfigError: a model that does not take ``sample``; weights that do not fit the model (the first key or
             shape that differs), or none at ``init_from``.
     """
-    if init_from is not None and strategy == "zero3":
-        with record_init() as record:  # on the meta device; prepare replays the construction unit by unit
+    if strategy == "zero3":  # on the meta device; prepare replays the construction unit by unit
+        with record_init() as record:
             model = build()
         check_fits(model, sample.to("meta"), input_shape=input_shape, spec=spec, meta=True)
+        if init_from is None:
+            return Start(model, record=record)
         expected = model.state_dict()
         weights = open_weights(init_from, list(expected))
         try:
