@@ -57,7 +57,8 @@ def _windows(steps: Any, window: int, samples_per_step: int) -> list[tuple[float
     return rates
 
 
-def hand(x_all: Any, y_all: Any, epochs: int, window: int) -> list[tuple[float, float]]:
+def _hand_loop(x_all: Any, y_all: Any) -> Any:
+    """The hand-written loop: a generator function doing one epoch, a step per item."""
     import torch
     import torch.nn.functional as F
 
@@ -73,28 +74,64 @@ def hand(x_all: Any, y_all: Any, epochs: int, window: int) -> list[tuple[float, 
             optimizer.step()
             yield
 
+    return steps
+
+
+def _prepared_loop(x_all: Any, y_all: Any, par: Any) -> Any:
+    """The loop as a user writes it with ``par`` (a ``Parallel("single")``): one epoch per call, a step per item."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, optimizer = bench_overhead._model_and_optimizer()
+    loader = DataLoader(TensorDataset(x_all, y_all), batch_size=bench_overhead.BATCH, shuffle=True)
+    model, optimizer, loader = par.prepare(model, optimizer, loader)
+
+    def steps() -> Any:
+        for x, y in loader:
+            optimizer.zero_grad()
+            par.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            yield
+
+    return steps
+
+
+def hand(x_all: Any, y_all: Any, epochs: int, window: int) -> list[tuple[float, float]]:
+    steps = _hand_loop(x_all, y_all)
     return [r for e in range(epochs) for r in _windows(steps(), window, bench_overhead.BATCH) if e]
 
 
 def prepare(x_all: Any, y_all: Any, epochs: int, window: int) -> list[tuple[float, float]]:
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, TensorDataset
+    import paratrain
+
+    with paratrain.Parallel("single", "cpu") as par:
+        steps = _prepared_loop(x_all, y_all, par)
+        return [r for e in range(epochs) for r in _windows(steps(), window, bench_overhead.BATCH) if e]
+
+
+def in_process(samples: int, epochs: int) -> dict[str, Any]:
+    """Both loops in this one process, epoch by epoch in turn (the order alternating): what ``prepare`` adds per
+    step with the invocations' own spread (another process, another memory layout and core) taken out."""
+    import torch
 
     import paratrain
 
-    model, optimizer = bench_overhead._model_and_optimizer()
-    loader = DataLoader(TensorDataset(x_all, y_all), batch_size=bench_overhead.BATCH, shuffle=True)
+    torch.set_num_threads(1)
+    x_all, y_all = bench_overhead._data(False)
+    x_all, y_all = x_all[:samples], y_all[:samples]
+    seconds: dict[str, list[float]] = {loop: [] for loop in LOOPS}
     with paratrain.Parallel("single", "cpu") as par:
-        model, optimizer, loader = par.prepare(model, optimizer, loader)
-
-        def steps() -> Any:
-            for x, y in loader:
-                optimizer.zero_grad()
-                par.backward(F.cross_entropy(model(x), y))
-                optimizer.step()
-                yield
-
-        return [r for e in range(epochs) for r in _windows(steps(), window, bench_overhead.BATCH) if e]
+        loops = {"hand": _hand_loop(x_all, y_all), "prepare": _prepared_loop(x_all, y_all, par)}
+        for epoch in range(epochs + 1):  # the first of each a warm-up
+            for loop in LOOPS if epoch % 2 == 0 else LOOPS[::-1]:
+                started = time.perf_counter()
+                for _ in loops[loop]():
+                    pass
+                if epoch:
+                    seconds[loop].append(time.perf_counter() - started)
+    best = min(seconds["hand"]) / min(seconds["prepare"])
+    typical = statistics.median(seconds["hand"]) / statistics.median(seconds["prepare"])
+    return {"epochs": epochs, "seconds": seconds, "fastest_epoch_ratio": best, "median_epoch_ratio": typical}
 
 
 def child(loop: str, samples: int, epochs: int, window: int) -> None:
@@ -124,6 +161,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=12_800, help="samples per epoch (of digits60k's 60,000)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs per invocation, the first a warm-up")
     parser.add_argument("--window", type=int, default=20, help="steps per timed window")
+    parser.add_argument(
+        "--in-process-epochs", type=int, default=12, help="epochs of each loop in one process, in turn (0: none)"
+    )
     parser.add_argument("--child", choices=LOOPS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help="JSON path (default benchmarks/results/bench_prepare.json)")
     args = parser.parse_args()
@@ -155,7 +195,14 @@ def main() -> None:
     print(f"(target >= {TARGET}): {verdict}; each pair: {', '.join(f'{r:.3f}' for r in pair_ratios)}")
     print(f"medians over invocations: fastest windows {ratios['best']:.3f}, median windows {ratios['median']:.3f};")
     print(f"in CPU seconds (every thread): median windows {ratios['cpu_median']:.3f}, fastest {ratios['cpu_best']:.3f}")
+    together = in_process(args.samples, args.in_process_epochs) if args.in_process_epochs else None
+    if together is not None:
+        print(
+            f"in one process, {args.in_process_epochs} epochs of each in turn: prepare / hand "
+            f"{together['fastest_epoch_ratio']:.3f} (fastest epochs), {together['median_epoch_ratio']:.3f} (medians)"
+        )
     payload = {"pairs": args.pairs, "samples": args.samples, "epochs": args.epochs, "window": args.window}
+    payload |= {"in_process": together}
     payload |= {"runs": runs, "ratio": ratios["pairs"], "pair_ratios": pair_ratios, "ratios": ratios}
     write_json("bench_prepare", payload, args.out)
 
