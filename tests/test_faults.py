@@ -336,6 +336,20 @@ def test_a_lost_node_leaves_the_survivor_to_resume_and_finish_alone(tmp_path, st
     # one restart for the lost node (and one before it where the group re-formed to take the victim in)
     assert metrics["world_size"] == 1 and metrics["restarts"] in (1, 2), metrics["recoveries"]
     assert metrics["recoveries"][-1]["resumed_at_step"] >= 80
+    # the same as resuming that checkpoint by hand at the survivors' world size: bit for bit
+    (resumed,) = [p for p in list_checkpoints(directory) if _step(p) == metrics["recoveries"][-1]["resumed_at_step"]]
+    by_hand = tmp_path / "by-hand"
+    by_hand.mkdir()
+    copied = by_hand / resumed.name
+    (shutil.copytree if resumed.is_dir() else shutil.copy2)(resumed, copied)
+    left = 240 - _step(resumed)  # --max-steps counts this invocation's steps
+    hand_run = (*_without(_as(strategy, ELASTIC_RUN), "--max-steps", 1), "--max-steps", str(left))
+    hand_run += ("--nproc-per-node", "1", "--checkpoint-dir", str(by_hand), "--resume", str(copied))
+    again = run_cli("train", *hand_run, env=env)
+    assert again.returncode == 0, again.stderr
+    mine, hand = (materialize(read_plain(latest_checkpoint(d)))["model"] for d in (directory, by_hand))
+    far = max(float((mine[key] - hand[key]).abs().max()) for key in hand)
+    assert far == 0, f"the elastic resume is {far:g} off the resume by hand at world size 1"
     reference = tmp_path / "reference"
     train(TrainConfig(dataset="digits60k", epochs=1, max_steps=240, quiet=True, checkpoint_dir=str(reference)))
     mine, theirs = (materialize(read_plain(latest_checkpoint(d)))["model"] for d in (directory, reference))
