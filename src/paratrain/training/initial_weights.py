@@ -5,15 +5,14 @@
     said = start.fill(par, model)        # zero3: each rank copies its shards from the file, a tensor at a time
 
 Under every strategy but zero3 the model is built plainly and the file loaded into it whole
-(:func:`~paratrain.checkpoint.weights.load_weights`), before ``prepare``. Under zero3 it is built on the meta
-device (shapes only), with or without a file; the file is opened, checked against the model's keys and shapes (the first that differs is
-the one error, before training, in every process alike), and after ``prepare`` has materialised the model unit
-by unit (each rank keeping its shards) each rank copies its part of every unit's flat shard from the file, one
-tensor at a time (:func:`~paratrain.checkpoint.lazy_weights.open_weights`): no rank ever holds the whole model.
-The model is built inside :func:`~paratrain.sharded.init_record.record_init`, and ``prepare`` replays its
-construction unit by unit (every module's own initialisation, ``reset_parameters()`` or not, and any buffer,
-in the state dict or not), drawing the random numbers a plain build draws in the same order, so the run goes on
-with the generator where a plain build leaves it and trains the same numbers as the whole-model path (and ddp).
+(:func:`~paratrain.checkpoint.weights.load_weights`), before ``prepare``. Under zero3, with or without a file, it
+is built on the meta device inside :func:`~paratrain.sharded.init_record.record_init`, and ``prepare`` replays
+its construction unit by unit (every module's own initialisation, ``reset_parameters()`` or not, and any buffer,
+in the state dict or not), drawing the random numbers a plain build draws in the same order: the run goes on
+with the generator where a plain build leaves it and trains the same numbers as ddp. A file is opened first and
+checked against the model's keys and shapes (the first that differs is the one error, before training, in every
+process alike); after ``prepare`` each rank copies its part of every unit's flat shard from it, one tensor at a
+time (:func:`~paratrain.checkpoint.lazy_weights.open_weights`): no rank ever holds the whole model.
 """
 
 from __future__ import annotations
