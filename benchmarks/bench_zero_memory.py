@@ -32,11 +32,15 @@ Each (model, N, strategy) runs in N fresh processes of its own: fp32 AdamW, :dat
   steps, so it is an upper bound of the live bytes, the same for every strategy. On CUDA:
   ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less what was allocated then. The
   target: zero3 <= zero2 <= zero1 <= ddp at every N > 1. zero3's peak is its held state plus what its backward
-  has in flight, which does not shrink with N: the unit computing and the one prefetched, gathered (two units'
-  weights), the unit's gradient from autograd and its flat copy, and up to ``MAX_REDUCING`` (2) units whose
-  reduce-scatter runs (each its whole gradient, and gloo's clone of it): six to eight times the largest unit's
-  bytes. Where a unit is a large part of the model (the 53.6M MLP's three 16.8M-parameter layers) that is more
-  than zero3 saves against zero2, and its peak is above zero2's; the deep MLP's units are 1M parameters.
+  has in flight, which does not shrink with N. Over gloo: the unit computing and the one prefetched, gathered
+  (two units' weights), and one unit's whole gradient at a time: each large parameter's gradient is autograd's
+  own tensor, all-reduced in place as it is (no flat copy of the unit's gradient), and a unit's all-reduce is
+  settled (this rank's part of it kept, the rest freed) before the next unit's backward computes its gradients
+  and before the unit after that is prefetched. About three times the largest unit's bytes, plus this rank's
+  part of one unit for a moment. Until 2026-12-03 it was more: the gradient and its flat copy, and the unit
+  reducing beside the one computing (up to ``MAX_REDUCING`` (2, then 1) of them, each with gloo's clone of its
+  whole gradient), and zero3's peak was above zero2's for the 10M and 53.6M MLPs (each unit a sixth to a third
+  of the model). Over NCCL the flat copy and ``MAX_REDUCING`` (1) unit reducing beside the one computing remain.
 
 The ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` (:data:`FIXED_MALLOC`): every block of 64 KiB or more is mapped
 on its own and unmapped when freed, so the resident set follows the live bytes and the peak is their high-water

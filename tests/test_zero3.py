@@ -147,3 +147,19 @@ def test_torchs_own_utilities_on_zero3s_sharded_gradients_raise_naming_the_fix(t
         ):
             assert "under zero3 no rank holds a parameter's whole gradient" in found[use], (use, found[use])
             assert found[f"{use}: trains on"]
+
+
+def test_a_synchronising_backward_reduces_each_large_gradient_as_its_own_tensor_bit_for_bit_as_ddp(two):
+    for rank in two:
+        r = rank["split"]
+        # the MLP's two 512x512 layers (the root's are below DIRECT_MIN_NUMEL), each of 3 backwards; autograd's
+        # gradient of each weight is its own tensor, divided in place
+        assert r["mlp"]["split"] == ["4", "2"] * 3 and r["mlp"]["owned"] == [True, True] * 3, r["mlp"]
+        # a view of cat's gradient is copied, the clone of a transposed view divided in place; a frozen bias, a small
+        # one in the small buffer, the padding: ddp's numbers
+        assert r["joined"]["split"] == ["2"] * 3 and sorted(r["joined"]["owned"]) == [False] * 3 + [True] * 3, r
+        for name in ("mlp", "joined"):
+            assert r[name]["bitwise"] and r[name]["outputs_bitwise"] and r[name]["finite"], (name, r[name])
+            # accumulation: the no_sync backward keeps the whole gradient, the synchronising one adds to it (flat)
+            accumulated = r[f"{name}, accumulate 2, clip"]
+            assert accumulated["split"] == [] and accumulated["bitwise"] and accumulated["norms"], (name, accumulated)

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 import paratrain
 from paratrain.checkpoint.sharded import is_sharded_checkpoint
+from paratrain.sharded import flat_unit
 from paratrain.sharded.fully_sharded import FullyShardedDataParallel
 from paratrain.sharded.guard import ShardedGradient
 from paratrain.strategies import Zero3Strategy
@@ -66,6 +67,27 @@ class TinyGPT(nn.Module):
         return logits
 
 
+class Joined(nn.Module):
+    """A unit of two large weights whose gradients autograd gives as views of one buffer (cat's backward) and as a
+    transposed view (cloned by AccumulateGrad), a frozen bias and a small trainable one: 180979 elements, padded at
+    2 and 3 ranks, the second weight split between ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left_weight = nn.Parameter(torch.randn(300, 301) * 0.05)
+        self.right_weight = nn.Parameter(torch.randn(301, 300) * 0.05)
+        self.bias = nn.Parameter(torch.full((301,), 0.1), requires_grad=False)
+        self.shift_bias = nn.Parameter(torch.randn(78) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ torch.cat([self.left_weight, self.right_weight.t()]) + self.bias
+        return torch.cat([h[:, :78] + self.shift_bias, h[:, 78:]], dim=1)
+
+
+def joined_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 600), nn.Tanh(), Joined(), nn.Tanh(), nn.Linear(301, 10))
+
+
 def bn_net() -> nn.Module:
     """BatchNorm (its running statistics are buffers), a frozen layer in a unit of its own."""
     net = nn.Sequential(
@@ -81,6 +103,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return mlp(seed)
     if name == "gpt":
         return TinyGPT()
+    if name == "joined":
+        return joined_net()
     return bn_net()
 
 
@@ -90,6 +114,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "mlp": {},
     "gpt": {"units": [Block, "transformer.wte", "lm_head"]},
     "bn": {"min_params": 1000},
+    "joined": {},
 }
 
 
@@ -260,6 +285,43 @@ def gradients(rank: int, world: int) -> dict[str, Any]:
         "rel": _relative(grads["zero3"], grads["ddp"]),
         "moved": bool(grads["ddp"].abs().max() > 0),
     }
+
+
+def split_backwards(rank: int, world: int) -> dict[str, Any]:
+    """A synchronising backward on gloo reduces each large parameter's gradient as a tensor of its own (autograd's,
+    divided in place where nothing else can see it, else a copy) and the small ones in a buffer of their own: the
+    units that do so, which gradients were divided in place, and training against ddp, also with accumulation
+    (no_sync, then a whole kept gradient: the flat path) and clipping."""
+    split: list[str] = []
+    owned: list[bool] = []
+    add_split, is_owned = flat_unit.ShardedUnit.add_split, flat_unit._owned
+
+    def counting_add_split(unit: flat_unit.ShardedUnit) -> None:
+        assert unit.grad_full is None  # no whole flat gradient beside autograd's
+        split.append(unit.name)
+        add_split(unit)
+
+    def recording_owned(grad: torch.Tensor, holders: int) -> bool:
+        found = is_owned(grad, holders + 1)  # this frame's argument too
+        owned.append(found)
+        return found
+
+    flat_unit.ShardedUnit.add_split = counting_add_split  # type: ignore[method-assign]
+    flat_unit._owned = recording_owned
+    try:
+        found: dict[str, Any] = {}
+        for name in ("mlp", "joined"):
+            split.clear()
+            owned.clear()
+            runs = {s: train(s, name, optimizer="sgd") for s in ("ddp", "zero3")}
+            found[name] = {"split": list(split), "owned": list(owned), **compare(runs, "ddp", "zero3")}
+            split.clear()
+            runs = {s: train(s, name, optimizer="adamw", accumulate=2, clip=0.5) for s in ("ddp", "zero3")}
+            found[f"{name}, accumulate 2, clip"] = {"split": list(split), **compare(runs, "ddp", "zero3")}
+    finally:
+        flat_unit.ShardedUnit.add_split = add_split  # type: ignore[method-assign]
+        flat_unit._owned = is_owned
+    return found
 
 
 def memory_and_layout(rank: int, world: int) -> dict[str, Any]:
@@ -444,6 +506,7 @@ def two_ranks(rank: int, world: int, directory: str) -> dict[str, Any]:
         "two_backwards": two_backwards(rank, world),
         "gradients": gradients(rank, world),
         "memory": memory_and_layout(rank, world),
+        "split": split_backwards(rank, world),
         "checkpoints": checkpoints(rank, world, directory),
         "resume_elsewhere": resume_elsewhere(rank, world, directory),
         "meta": meta_init(rank, world),

@@ -15,7 +15,12 @@ so the model runs the same whether called through the wrapper or directly:
   through a training forward, its backward comes first); between uses a parameter keeps its shape and reads NaN;
 - a hook on the unit's outputs gathers the weights again before its backward; once every gradient of the unit
   has arrived they are divided by the world size (as our DDP divides them) and summed by a reduce-scatter into
-  this rank's part of the shard's gradient. Gradients add up across backwards as ``.grad`` does, in ddp's order:
+  this rank's part of the shard's gradient. On gloo the sum is an all-reduce in place, this rank's part kept; in a
+  synchronising backward that adds to nothing kept, a large parameter's gradient (a quarter of its unit or more,
+  :data:`~paratrain.sharded.flat_unit.DIRECT_MIN_NUMEL` elements at least) is all-reduced as a tensor of its own,
+  autograd's own divided in place, not copied into a flat buffer first, and the small ones share one buffer; that
+  reduce is settled before the next unit's backward computes its gradients. Gradients add up across backwards as
+  ``.grad`` does, in ddp's order:
   a gradient kept from an earlier backward is gathered back as the next one begins, autograd's added to it, and
   the sum divided and reduced again. Inside ``no_sync`` the unit's whole gradients are kept, and reduced by the
   next synchronising backward;
@@ -59,7 +64,8 @@ from paratrain.user_keys import UserKeys
 __all__ = ["MAX_REDUCING", "FullyShardedDataParallel"]
 
 # units whose reduce-scatter may run at once; each holds the unit's whole gradient meanwhile. One: two made zero3's
-# peak during backward the highest of the strategies (each unit a sixth of the 53.6M MLP; issue 26)
+# peak during backward the highest of the strategies (each unit a sixth of the 53.6M MLP; issue 26). On gloo a
+# unit's reduce is also settled before the next unit's backward computes its gradients (_pre_backward)
 MAX_REDUCING = 1
 
 
@@ -70,9 +76,8 @@ def _queue_end_of_backward(callback: Callable[[], None]) -> None:
 @dataclass
 class _Reducing:
     unit: ShardedUnit
-    work: Any
-    seq: int
-    out: torch.Tensor | None  # None: the unit's whole gradient is all-reduced in place (gloo)
+    works: list[tuple[Any, int]]  # (Work, collective number): one, or one per tensor of a split backward
+    out: torch.Tensor | None  # None: all-reduced in place (gloo): the unit's whole gradient, or a split backward's
 
 
 class FullyShardedDataParallel(UserKeys, nn.Module):
@@ -324,12 +329,17 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             return
         unit.backward_started = True
         self._gather(unit)
+        if self._reduce_in_place:
+            # the unit's gradients are computed next: the reduce in flight (the unit before, all-reduced in place)
+            # is settled first, so that its whole gradient is gone before this one's and the next unit's weights come
+            while self._reducing:
+                self._settle(self._reducing[0])
         self._prefetch_from(unit, backward=True)
 
     def _on_grad(self, unit: ShardedUnit, i: int) -> None:
         self._begin_backward()
         if unit.params[i].grad is not None:
-            unit.open_grad(self.process_group, self.monitor)
+            unit.open_grad(self.process_group, self.monitor, split=self._split())
         unit.take_grad(i, self._sync)
         if unit.pending == 0:
             if self._sync:
@@ -346,29 +356,45 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         if unit.pending == 0 and (unit.inputs_done or not unit.waits_for_inputs) and unit is not self._root_unit():
             unit.free()
 
+    def _split(self) -> bool:
+        """Whether a unit's gradients may be reduced parameter by parameter (ShardedUnit.open_grad): a synchronising
+        backward whose reduce is an all-reduce in place (gloo)."""
+        return self._sync and self._reduce_in_place
+
     def _reduce(self, unit: ShardedUnit) -> None:
         if unit.reduce_launched or not unit.trainable:
             return
         unit.reduce_launched = True
-        unit.open_grad(self.process_group, self.monitor)
+        unit.open_grad(self.process_group, self.monitor, split=self._split())
         unit.ready_to_reduce()
         while len(self._reducing) >= MAX_REDUCING:
             self._settle(self._reducing[0])
-        assert unit.grad_full is not None
-        seq = self.monitor.launched()
+        works: list[tuple[Any, int]] = []
         out: torch.Tensor | None = None
         with no_python_in_work():
-            if self._reduce_in_place:
-                work = dist.all_reduce(unit.grad_full, group=self.process_group, async_op=True)
+            if unit.split:
+                for tensor in unit.to_reduce():
+                    seq = self.monitor.launched()
+                    works.append((dist.all_reduce(tensor, group=self.process_group, async_op=True), seq))
+            elif self._reduce_in_place:
+                assert unit.grad_full is not None
+                seq = self.monitor.launched()
+                works.append((dist.all_reduce(unit.grad_full, group=self.process_group, async_op=True), seq))
             else:
+                assert unit.grad_full is not None
                 out = torch.empty(unit.part, dtype=unit.dtype, device=unit.device)
-                work = reduce_scatter_into(out, unit.grad_full, self.process_group)
-        self._reducing.append(_Reducing(unit, work, seq, out))
+                seq = self.monitor.launched()
+                works.append((reduce_scatter_into(out, unit.grad_full, self.process_group), seq))
+        self._reducing.append(_Reducing(unit, works, out))
 
     def _settle(self, reducing: _Reducing) -> None:
         unit = reducing.unit
-        self.monitor.wait(reducing.work, reducing.seq, f"gradient reduce-scatter of unit {unit.label}")
+        for work, seq in reducing.works:
+            self.monitor.wait(work, seq, f"gradient reduce-scatter of unit {unit.label}")
         self._reducing.remove(reducing)
+        if unit.split:  # each large parameter's gradient and the small ones' buffer all-reduced in place
+            unit.add_split()
+            return
         if reducing.out is None:  # all-reduced in place: this rank's part of the sum, the whole buffer freed
             assert unit.grad_full is not None
             reducing.out = unit.grad_full.narrow(0, unit.rank * unit.part, unit.part).clone()
@@ -448,8 +474,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Clear this rank's gradients, and the whole gradients kept inside ``no_sync``."""
         for unit in self.units:
-            unit.grad_full = None
-            unit.holds = [False] * len(unit.params)
+            unit.clear_grads()
             if set_to_none:
                 unit.shard_grad = None
             elif unit.shard_grad is not None:
