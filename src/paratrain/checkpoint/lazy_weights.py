@@ -82,6 +82,22 @@ class WeightFile:
         self._close.clear()
 
 
+def existing_weights(source: str | Path, flag: str) -> Path:
+    """``source`` as a path that names something weights can be read from (a file, a DCP directory, a sharded
+    checkpoint's directory for its ``.pt`` name).
+
+    Raises:
+        ConfigError: nothing is there.
+    """
+    path = Path(source)
+    if not path.exists() and not is_sharded_checkpoint(path.with_suffix("")):
+        raise ConfigError(
+            f"{flag} {path}: nothing is there; give a state dict (.pt), a .safetensors file, a DCP directory or a "
+            f"paratrain checkpoint"
+        )
+    return path
+
+
 def open_weights(source: str | Path, expected: Collection[str], *, flag: str = "--init-from") -> WeightFile:
     """The weights at ``source``, opened to be read a tensor at a time (module docstring); ``expected``: the
     model's keys (they say whether a DCP directory's sit under ``model.``).
@@ -90,12 +106,7 @@ def open_weights(source: str | Path, expected: Collection[str], *, flag: str = "
         ConfigError: nothing at ``source``; a safetensors file without the package.
         CheckpointError: a file that cannot be read as any of the formats.
     """
-    path = Path(source)
-    if not path.exists() and not is_sharded_checkpoint(path.with_suffix("")):
-        raise ConfigError(
-            f"{flag} {path}: nothing is there; give a state dict (.pt), a .safetensors file, a DCP directory or a "
-            f"paratrain checkpoint"
-        )
+    path = existing_weights(source, flag)
     if is_dcp_checkpoint(path):
         return _dcp(path, expected)
     if path.suffix == ".safetensors" and path.is_file():

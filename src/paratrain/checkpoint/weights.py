@@ -27,7 +27,7 @@ from paratrain.checkpoint.consolidate import find_checkpoint
 from paratrain.checkpoint.dcp_export import is_dcp_checkpoint
 from paratrain.checkpoint.file import FORMAT, load_checkpoint
 from paratrain.checkpoint.formats import require_safetensors
-from paratrain.checkpoint.lazy_weights import FileTensor
+from paratrain.checkpoint.lazy_weights import FileTensor, existing_weights
 from paratrain.checkpoint.sharded import StoredTensor, is_sharded_checkpoint, materialize, open_sharded
 from paratrain.checkpoint.state_dicts import describe_keys, strip_module_prefix
 from paratrain.errors import CheckpointError, ConfigError
@@ -43,12 +43,7 @@ def load_weights(source: str | Path, model: nn.Module, *, flag: str = "--init-fr
             differs); a safetensors file without the package.
         CheckpointError: a file that cannot be read as any of the formats.
     """
-    path = Path(source)
-    if not path.exists() and not is_sharded_checkpoint(path.with_suffix("")):
-        raise ConfigError(
-            f"{flag} {path}: nothing is there; give a state dict (.pt), a .safetensors file, a DCP directory or a "
-            f"paratrain checkpoint"
-        )
+    path = existing_weights(source, flag)
     expected = model.state_dict()
     if is_dcp_checkpoint(path):
         return _load_dcp(path, model, expected, flag)
