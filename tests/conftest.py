@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import multiprocessing.process
+import resource
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -177,3 +178,11 @@ def group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def restored_limit() -> Iterator[None]:
+    """RLIMIT_DATA as it was before the test (tests that cap a process's memory in this one)."""
+    before = resource.getrlimit(resource.RLIMIT_DATA)
+    yield
+    resource.setrlimit(resource.RLIMIT_DATA, before)

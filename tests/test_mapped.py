@@ -3,9 +3,7 @@ alone, where torch.load(mmap=True)'s private writable mapping counts the whole f
 
 from __future__ import annotations
 
-import resource
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,13 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_memory_cap as cap_bench
 
 MIB = 2**20
-
-
-@pytest.fixture
-def restored_limit() -> Iterator[None]:
-    before = resource.getrlimit(resource.RLIMIT_DATA)
-    yield
-    resource.setrlimit(resource.RLIMIT_DATA, before)
 
 
 def test_the_tensors_are_torch_loads_views_and_shared_storage_included(tmp_path: Path) -> None:

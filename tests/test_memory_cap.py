@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import resource
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,13 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_memory_cap as cap_bench
 
 MIB = 2**20
-
-
-@pytest.fixture
-def restored_limit() -> Iterator[None]:
-    before = resource.getrlimit(resource.RLIMIT_DATA)
-    yield
-    resource.setrlimit(resource.RLIMIT_DATA, before)
 
 
 def test_an_allocation_past_the_cap_fails_with_the_allocators_out_of_memory_error(restored_limit: None) -> None:
