@@ -17,6 +17,9 @@ writes it and released after its last use, or before a call that overwrites it w
 cost one tensor at a time, never the whole model. When a storage's last use is done its final value is handed to
 ``finalize`` (zero3 keeps this rank's part of each parameter in its unit's shard).
 
+Hugging Face's models skip their ``_init_weights`` (``post_init``) when built on the meta device; while recording
+they are told they are not, so their initialisation is recorded as well (:func:`_transformers_init_runs`).
+
 At the end of the ``with`` block the record is replayed once on the CPU and the values dropped, so the generator
 is left where a plain build would leave it: the script's next draws (data, dropout) are the same.
 """
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,6 +71,10 @@ _OVERWRITES: set[Any] = {
     nn.init.orthogonal_,
     nn.init.sparse_,
 }
+
+# torch.nn.init's functions among them, by name: a library may put a stand-in of its own under one of these names
+# while its init runs (Hugging Face's guard_torch_init_functions), and torch then dispatches the stand-in
+_INIT_OVERWRITES = {f.__name__ for f in _OVERWRITES if getattr(f, "__module__", None) == nn.init.__name__}
 
 _RECORDS: weakref.WeakSet[InitRecord] = weakref.WeakSet()
 
@@ -118,6 +127,15 @@ def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
         if isinstance(target, torch.Tensor) and target.is_meta:
             written.insert(0, target)
     return written
+
+
+def _overwrites(func: Any) -> bool:
+    """``func`` writes every element of its first tensor unread: one of :data:`_OVERWRITES`, or what stands in
+    for one of torch.nn.init's under its name at this moment."""
+    if func in _OVERWRITES:
+        return True
+    name = getattr(func, "__name__", "")
+    return name in _INIT_OVERWRITES and getattr(nn.init, name, None) is func
 
 
 def _name(call: _Call) -> str:
@@ -193,7 +211,7 @@ class InitRecord:
             storage = self.storages[key]
             if not storage.uses or storage.uses[-1] != at:
                 storage.uses.append(at)
-        if func in _OVERWRITES and written:
+        if _overwrites(func) and written:
             target = written[0]
             ref = _ref(target)
             storage = self.storages[ref.storage]
@@ -302,9 +320,40 @@ class InitRecord:
 def record_init() -> Iterator[InitRecord]:
     """Build on the meta device and record it (module docstring); the generator ends where a plain build's does."""
     record = InitRecord()
-    with torch.device("meta"), _Recorder(record):
+    with torch.device("meta"), _Recorder(record), _transformers_init_runs():
         yield record
     record.advance()
+
+
+# Hugging Face's probe of the device context, in transformers.modeling_utils
+_HF_PROBE = "get_torch_context_manager_or_global_device"
+
+
+@contextlib.contextmanager
+def _transformers_init_runs() -> Iterator[None]:
+    """Hugging Face's models run their ``_init_weights`` (``post_init``) inside the block, as a plain build does.
+
+    HACK: transformers 5's ``PreTrainedModel.init_weights`` skips its initialisation when its probe finds a meta
+    device context, so a model built here would keep its constructors' draws only (other weights than a plain
+    build's, silently). While the block runs the probe answers what it answers in a plain build on the CPU (no
+    context: None), and the initialisation runs on the meta tensors and is recorded (transformers 4.57 runs it
+    without asking). The probe is also how ``from_pretrained`` refuses a meta device context: inside the block it
+    loads the weights onto the CPU, and ``prepare`` takes that model as built. tests/test_init_record.py checks that
+    this still applies to the installed transformers (it fails, not skips, when the probe is renamed).
+    """
+    if "transformers" not in sys.modules:  # a model of transformers' is built after its import
+        yield
+        return
+    module = importlib.import_module("transformers.modeling_utils")
+    probe = getattr(module, _HF_PROBE, None)
+    if probe is None:
+        yield
+        return
+    setattr(module, _HF_PROBE, lambda: None)
+    try:
+        yield
+    finally:
+        setattr(module, _HF_PROBE, probe)
 
 
 def find_record(tensors: list[torch.Tensor]) -> InitRecord | None:
