@@ -3,7 +3,8 @@
 Bitwise at two ranks for every configuration: an MLP, a nanoGPT-shaped model with tied weights in different units
 and a frozen layer, BatchNorm buffers; SGD with momentum and AdamW, accumulation, clipping, bf16-mixed, prefetch
 on and off; the state dict after every step and an evaluation under torch.no_grad(). At three ranks the
-reduce-scatter adds the three ranks' gradients in another order than the all-reduce does: within 1e-6 relative.
+reduce-scatter adds the three ranks' gradients in another order than the all-reduce does: within ddp's own spread
+(ddp with other buckets against ddp), which is 1e-6 relative for SGD and 8.9e-6 for AdamW.
 A checkpoint written by three ranks resumes on two as zero3 and as ddp, the model as saved bit for bit.
 """
 
@@ -56,8 +57,10 @@ def test_three_ranks_train_within_float32_rounding_of_ddp(three, config):
     for rank in three:
         r = rank["exactness"][config]
         # AdamW normalises each element's step: a gradient that nearly cancels across ranks (pure rounding) moves
-        # its weight by up to lr * |g| / (|g| + eps) either way; SGD carries the rounding as it is
-        assert r["bitwise"] or r["rel"] < (1e-4 if "adamw" in config else 1e-6), r
+        # its weight by up to lr * |g| / (|g| + eps) either way; SGD carries the rounding as it is. ddp itself, with
+        # other buckets (the same sums in another order), spreads as far: zero3 stays within that spread
+        assert r["bitwise"] or r["rel"] < 1e-6 or r["rel"] <= 2 * r["ddp_spread"], r
+        assert r["rel"] < (1e-4 if "adamw" in config else 1e-6), r
         assert r["keys"] and r["user_keys"] and r["finite"]
 
 
