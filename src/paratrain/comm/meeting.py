@@ -53,21 +53,30 @@ class Meeting:
         self._last: dict[str, frozenset[int]] = {}  # the ranks of each name's last meeting that every rank came to
 
     def attend(
-        self, name: str, ranks: Iterable[int], what: str, refuse: Callable[[dict[int, str]], str], *, come: bool = True
+        self,
+        name: str,
+        ranks: Iterable[int],
+        what: str,
+        refuse: Callable[[dict[int, str]], str],
+        *,
+        come: bool = True,
+        value: str = "here",
+        error: Callable[[str], BaseException] = ConfigError,
+        overdue: Callable[[list[int]], BaseException] | None = None,
     ) -> dict[int, str]:
-        """Come to the next meeting called ``name`` (``come=False``: only wait there) and wait for ``ranks``; what
-        each posted there. A meeting refused or timed out is withdrawn: this rank's next one of that name is the
-        same meeting again, so a loop that goes on after the error meets its peers at the next call.
+        """Come to the next meeting called ``name`` (``come=False``: only wait there), posting ``value``, and wait
+        for ``ranks``; what each posted there. A meeting refused or timed out is withdrawn: this rank's next one of
+        that name is the same meeting again, so a loop that goes on after the error meets its peers at the next call.
 
         Raises:
-            ConfigError, CollectiveError: as :meth:`wait_for`.
+            ConfigError, CollectiveError: as :meth:`wait_for` (``error`` and ``overdue`` as there).
         """
         point = self._next(name)
         ranks = list(ranks)
         if come:
-            self.post(point)
+            self.post(point, value)
         try:
-            posted = self.wait_for(point, ranks, what, refuse)
+            posted = self.wait_for(point, ranks, what, refuse, error=error, overdue=overdue)
         except BaseException:
             self._counts[name] -= 1
             if come:
@@ -130,14 +139,22 @@ class Meeting:
         self._store.set(self._key(point, self.rank), value)  # type: ignore[attr-defined]
 
     def wait_for(
-        self, point: str, ranks: Iterable[int], what: str, refuse: Callable[[dict[int, str]], str]
+        self,
+        point: str,
+        ranks: Iterable[int],
+        what: str,
+        refuse: Callable[[dict[int, str]], str],
+        *,
+        error: Callable[[str], BaseException] = ConfigError,
+        overdue: Callable[[list[int]], BaseException] | None = None,
     ) -> dict[int, str]:
         """Wait until every one of ``ranks`` posted ``point``; what each posted. ``what``: the call, for errors.
 
         Raises:
             ConfigError: a rank still missing went on past the point (``refuse`` makes the message from the
-                ranks that did, and how).
-            CollectiveError: a rank still missing neither came nor went on within the timeout.
+                ranks that did, and how; ``error`` the exception from the message).
+            CollectiveError: a rank still missing neither came nor went on within the timeout (``overdue``, given
+                the ranks still missing, makes the exception instead).
         """
         missing = [r for r in ranks if r != self.rank]
         posted: dict[int, str] = {}
@@ -157,8 +174,10 @@ class Meeting:
                 looked = now
                 gone = {r: how for r, how in self._gone().items() if r in missing}
                 if gone:
-                    raise ConfigError(refuse(gone))
+                    raise error(refuse(gone))
             if now - started > self.timeout:
+                if overdue is not None:
+                    raise overdue(missing)
                 raise CollectiveError(
                     f"rank {self.rank} waited {self.timeout:g} s for rank(s) {', '.join(map(str, missing))} at "
                     f"{what}, which neither came nor launched a collective since (stopped, or dead?)"

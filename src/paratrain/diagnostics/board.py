@@ -16,6 +16,8 @@ watchdog, the hang report's request: see :mod:`paratrain.diagnostics.hang_report
     board.silent()                   # global ranks whose heartbeat did not move for a while, and unreadable ones
     board.read()                     # every other rank's entry, by global rank
     board.close()
+    claim_diagnosis(store, rank=0)   # True for the job's first rank to say what went wrong (its error is the one)
+    diagnosed_by(store)              # that rank, for the others' errors to point to; None while no one has
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HEARTBEAT_S", "Board"]
+__all__ = ["HEARTBEAT_S", "Board", "claim_diagnosis", "diagnosed_by"]
 
 HEARTBEAT_S = 1.0  # the heartbeat's period; a rank silent for a few of these is not running
+DIAGNOSIS_KEY = "paratrain/diagnosis"  # the job's one diagnosis: which rank gives it (every monitor, every meeting)
 _HOST = socket.gethostname()
 
 
@@ -188,3 +191,25 @@ class Board:
             if entry is not None and "failed" not in entry and (before.get(rank) or {}).get("beat") == entry["beat"]
         ]
         return silent, unknown
+
+
+def claim_diagnosis(store: Any, rank: int) -> bool:
+    """True for the first rank of the job to claim the diagnosis (it prints the error that says what went wrong,
+    with the hang report when there is one); False for every later claim, whose errors point to that rank's. True
+    when the store cannot be reached: no one else can be told either."""
+    try:
+        first = bool(store.add(f"{DIAGNOSIS_KEY}/claims", 1) == 1)
+        if first:
+            store.set(DIAGNOSIS_KEY, str(rank))
+    except Exception:
+        return True
+    return first
+
+
+def diagnosed_by(store: Any) -> int | None:
+    """The global rank that claimed the job's diagnosis (:func:`claim_diagnosis`); None when none has, or the store
+    cannot be read."""
+    try:
+        return int(store.get(DIAGNOSIS_KEY).decode()) if store.check([DIAGNOSIS_KEY]) else None
+    except Exception:
+        return None
