@@ -15,7 +15,7 @@ import pytest
 
 from paratrain.diagnostics.hang_report import HangReport, RankReport
 from paratrain.diagnostics.skipped import paratrain_call, paratrain_calls
-from paratrain.diagnostics.stacks import PACKAGE_DIR
+from paratrain.diagnostics.stacks import PACKAGE_DIR, calling
 from paratrain.errors import CollectiveError
 from paratrain.launch.failures import error_line
 
@@ -270,6 +270,18 @@ def test_a_stack_in_a_paratrain_call_names_the_call_and_the_users_line():
     assert "Every rank calls par.barrier() at the same point" in said
     together = HangReport(0, "", 1, 3.0, 0.0, [rank(0, backward), rank(1, backward)])
     assert paratrain_calls(together) == ""  # the same call on every rank: a stall, not a skipped call
+
+
+def test_the_paratrain_call_and_the_users_line_are_read_from_the_live_frames():
+    """What a meeting posts and a zero3 forward notes: the outermost paratrain frame's call, the user's line."""
+    code = "def barrier():\n    return inner()\ndef inner():\n    return calling()\n"
+    code += "def __exit__():\n    return calling()\n"
+    namespace: dict = {"calling": calling}
+    exec(compile(code, f"{PACKAGE_DIR}/parallel.py", "exec"), namespace)  # functions that live in paratrain's file
+    line = sys._getframe().f_lineno + 1
+    assert namespace["barrier"]() == ("par.barrier()", f"{__file__}:{line}")
+    assert namespace["__exit__"]()[0] == "par.close()"  # the end of a `with Parallel(...)` block
+    assert calling() == ("", "")  # outside paratrain
 
 
 def test_the_launchers_line_for_a_collective_error_is_its_short_summary():

@@ -4,6 +4,7 @@
 
 --where before   rank 0 runs an extra forward before the step's own (a loss looked at without torch.no_grad())
 --where inside   rank 0 runs an extra forward between the step's forward and its backward
+--where eval     rank 0 evaluates under torch.no_grad() before the step's forward, rank 1 does not
 --where none     no extra forward: every rank runs the same forwards (and, every step, one without a backward)
 """
 
@@ -19,7 +20,7 @@ from paratrain.strategies import Zero3Strategy
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--where", choices=["before", "inside", "none"], default="before")
+    parser.add_argument("--where", choices=["before", "inside", "eval", "none"], default="before")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
@@ -32,6 +33,9 @@ def main() -> None:
     for step in range(args.steps):
         if args.where == "before" and step == 1 and par.is_main:
             model(x)  # the training forward only rank 0 runs
+        if args.where == "eval" and step == 1 and par.is_main:
+            with torch.no_grad():
+                model(x)  # the evaluation only rank 0 runs
         loss = model(x).sum()
         if args.where == "inside" and step == 1 and par.is_main:
             model(x)  # the extra forward only rank 0 runs, before the step's backward

@@ -6,13 +6,16 @@ and while it waits for the others it reads the progress board (:mod:`paratrain.d
 launched a collective this one has not (its next training step's gradient reduction, say) waits in it for this
 rank, and a rank that closed its end of the group has left: neither will come, so the wait ends at once (within a
 heartbeat or two) with an error naming them, and what they should have called. A rank that went on otherwise (a
-collective of its own, outside paratrain's) is found by the timeout.
+collective of its own, outside paratrain's) is found by the timeout. The strategy's collectives meet before they
+launch (each rank posts which it is about to run), and so do zero3's forwards under no_grad and its training
+forwards beyond the count the last backward followed.
 
     meeting = Meeting(store, "paratrain/strategy-0/meet", rank, timeout, gone=monitor.peers_gone)
     meeting.attend("sharded-save", range(n), "par.save()", refuse=lambda gone: f"... {gone} went on ...")
     meeting.announce("save-ab12", "written")                # rank 0 wrote the file; the others wait for its word:
     meeting.attend("save-ab12", [0], "par.save()", refuse=..., come=False)
     meeting.exchange("sharded-write", "written", range(n), "par.save()", refuse=..., sync=par.barrier)  # every word
+    meeting.attend("collective", range(n), "par.barrier()", refuse=..., value="barrier", error=CollectiveError)
 """
 
 from __future__ import annotations
