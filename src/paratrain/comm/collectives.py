@@ -47,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 
 from paratrain.comm.process_groups import default_store, group_sequence, keep_forever, to_seconds, wait_work
-from paratrain.diagnostics.board import Board, claim_diagnosis, diagnosed_by
+from paratrain.diagnostics.board import Board, cause_found_by, claim_diagnosis, diagnosed_by, found_cause
 from paratrain.diagnostics.error_file import error_line, record_error
 from paratrain.diagnostics.hang_report import ANSWERING_WAIT_S, Answerer, HangReport, gather
 from paratrain.diagnostics.mismatch import RING, WINDOW, call_site, divergence, first_drift
@@ -285,6 +285,7 @@ class CollectiveMonitor:
             return  # the rank ahead made the extra collective, knows where, and says so
         if not self._claim():
             return  # the host's wait failed first, and says why (this rank's extra collective too)
+        found_cause(board.store, self.global_rank)  # the peer's collective fails when this rank leaves: it says so
         if here > there:
             board.failed(seq)  # the peer behind sees that this rank is reporting
         ahead, behind = (self.global_rank, peer) if here > there else (peer, self.global_rank)
@@ -405,7 +406,7 @@ class CollectiveMonitor:
     def failure_error(self, seq: int, what: str, exc: BaseException) -> CollectiveError:
         """The error for collective ``seq`` failing (a peer closed its connection, say), naming silent ranks."""
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        other = self._diagnosed_elsewhere()
+        other = self._cause_elsewhere()
         if other is not None:  # that rank said what went wrong, and left: this rank's collective failed with it
             return CollectiveError(
                 f"rank {self.global_rank}: {what} (collective #{seq}) failed when rank {other} stopped; rank {other}'s "
@@ -440,6 +441,8 @@ class CollectiveMonitor:
         pointing to the rank that did; the launcher's summary quotes ``short`` either way. ``message`` starts with
         ``rank N: ``."""
         store = self._board.store if self._board is not None else None
+        if store is not None:
+            found_cause(store, self.global_rank)
         if store is None or claim_diagnosis(store, self.global_rank):
             return CollectiveError(message, summary=_summary(self.global_rank, short))
         return CollectiveError(
@@ -452,13 +455,18 @@ class CollectiveMonitor:
         return self._failed(self.timeout_error(self._seq + 1, what, missing))
 
     def _diagnosed_elsewhere(self) -> int | None:
-        """The rank that gave the job's diagnosis, when it is not this one."""
+        """The rank that gave the job's diagnosis (its hang report, or the mistake it found), when not this one."""
         by = diagnosed_by(self._board.store) if self._board is not None else None
+        return by if by is not None and by != self.global_rank else None
+
+    def _cause_elsewhere(self) -> int | None:
+        """The rank that found the job's mistake and left because of it, when not this one."""
+        by = cause_found_by(self._board.store) if self._board is not None else None
         return by if by is not None and by != self.global_rank else None
 
     def _pointer(self) -> str:
         other = self._diagnosed_elsewhere()
-        return f"; rank {other}'s error says what went wrong" if other is not None else ""
+        return f"; rank {other}'s error has the diagnosis" if other is not None else ""
 
     def _why(self, report: HangReport | None) -> str:
         """What made the ranks part, where this rank or the report can tell: a collective of the user's this rank

@@ -18,10 +18,13 @@ watchdog, the hang report's request: see :mod:`paratrain.diagnostics.hang_report
     board.close()
     claim_diagnosis(store, rank=0)   # True for the job's first rank to say what went wrong (its error is the one)
     diagnosed_by(store)              # that rank, for the others' errors to point to; None while no one has
+    found_cause(store, rank=0)       # this rank found the mistake (a call its peers did not make) and leaves
+    cause_found_by(store)            # that rank: a peer whose collective fails as it leaves says so in one line
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -30,10 +33,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HEARTBEAT_S", "Board", "claim_diagnosis", "diagnosed_by"]
+__all__ = ["HEARTBEAT_S", "Board", "cause_found_by", "claim_diagnosis", "diagnosed_by", "found_cause"]
 
 HEARTBEAT_S = 1.0  # the heartbeat's period; a rank silent for a few of these is not running
 DIAGNOSIS_KEY = "paratrain/diagnosis"  # the job's one diagnosis: which rank gives it (every monitor, every meeting)
+CAUSE_KEY = "paratrain/cause"  # the rank that found the job's mistake and leaves because of it
 _HOST = socket.gethostname()
 
 
@@ -209,7 +213,24 @@ def claim_diagnosis(store: Any, rank: int) -> bool:
 def diagnosed_by(store: Any) -> int | None:
     """The global rank that claimed the job's diagnosis (:func:`claim_diagnosis`); None when none has, or the store
     cannot be read."""
+    return _rank_at(store, DIAGNOSIS_KEY)
+
+
+def found_cause(store: Any, rank: int) -> None:
+    """``rank`` found what went wrong (a call its peers did not make, ranks that ran different collectives) and
+    leaves because of it: a peer whose collective then fails knows it failed for that reason, not a crash."""
+    with contextlib.suppress(Exception):  # the store is gone: the peers' errors say less, this rank's says it all
+        store.set(CAUSE_KEY, str(rank))
+
+
+def cause_found_by(store: Any) -> int | None:
+    """The global rank that found the job's mistake (:func:`found_cause`); None when none did, or the store cannot be
+    read."""
+    return _rank_at(store, CAUSE_KEY)
+
+
+def _rank_at(store: Any, key: str) -> int | None:
     try:
-        return int(store.get(DIAGNOSIS_KEY).decode()) if store.check([DIAGNOSIS_KEY]) else None
+        return int(store.get(key).decode()) if store.check([key]) else None
     except Exception:
         return None
