@@ -15,7 +15,7 @@ import pytest
 
 from paratrain.diagnostics.hang_report import HangReport, RankReport
 from paratrain.diagnostics.skipped import paratrain_call, paratrain_calls
-from paratrain.diagnostics.stacks import PACKAGE_DIR, calling
+from paratrain.diagnostics.stacks import PACKAGE_DIR, UserLine, calling
 from paratrain.errors import CollectiveError
 from paratrain.launch.failures import error_line
 
@@ -282,6 +282,12 @@ def test_the_paratrain_call_and_the_users_line_are_read_from_the_live_frames():
     assert namespace["barrier"]() == ("par.barrier()", f"{__file__}:{line}")
     assert namespace["__exit__"]()[0] == "par.close()"  # the end of a `with Parallel(...)` block
     assert calling() == ("", "")  # outside paratrain
+    lines = UserLine()
+    namespace["lines"] = lines
+    exec(compile("def forward():\n    return lines()\n", f"{PACKAGE_DIR}/x.py", "exec"), namespace)
+    first = [namespace["forward"]() for _ in range(2)]  # walked, then looked up at the same depth
+    assert first == [f"{__file__}:{sys._getframe().f_lineno - 1}"] * 2
+    assert (lambda: namespace["forward"]())() == f"{__file__}:{sys._getframe().f_lineno}"  # another path: walked
 
 
 def test_the_launchers_line_for_a_collective_error_is_its_short_summary():

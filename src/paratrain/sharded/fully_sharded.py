@@ -51,7 +51,7 @@ from torch.utils.hooks import RemovableHandle
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from paratrain.comm.process_groups import no_python_in_work, to_seconds
 from paratrain.ddp.setup import agree_at_start_up
-from paratrain.diagnostics.stacks import calling
+from paratrain.diagnostics.stacks import UserLine
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.flat_unit import ShardedUnit
 from paratrain.sharded.grad_norm import clip_to, tensor_norm
@@ -177,6 +177,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         # backward; a loop of one forward per backward never meets (nothing per step but a count and a call site)
         self._forwards = 0
         self._forward_sites: deque[str] = deque(maxlen=4)
+        self._user_line = UserLine()  # the walk up to the user's line, done once for the loop's own forward call
         self._forwards_per_backward = 1
         self.before_extra_forward: Callable[[list[str], int], object] | None = None
         self._install()
@@ -264,7 +265,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def _count_training_forward(self) -> None:
         """One training forward more since the last backward; more than the last backward followed: meet first."""
         self._forwards += 1
-        self._forward_sites.append(calling()[1])
+        self._forward_sites.append(self._user_line())
         if self._forwards > self._forwards_per_backward and self.before_extra_forward is not None:
             self.before_extra_forward(list(self._forward_sites), self._forwards)
 
