@@ -43,6 +43,7 @@ __all__ = [
     "PACKAGE_DIR",
     "STACKS_PREFIX",
     "TORCH_DIR",
+    "TORCH_DIRS",
     "UserLine",
     "arm_signal_dump",
     "calling",
@@ -79,15 +80,10 @@ class _SignalDump:
 _SIGNAL_DUMP = _SignalDump()
 PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # frames inside paratrain are not the user's line
 TORCH_DIR = str(Path(str(__import__("torch").__file__)).resolve().parent)
-# frames that are not the user's: paratrain's, torch's (as imported, and resolved: a virtual environment may be a
-# link), the standard library's, and frozen or generated code
-_NOT_USERS = (
-    PACKAGE_DIR,
-    TORCH_DIR,
-    str(Path(str(__import__("torch").__file__)).parent),
-    os.path.dirname(os.__file__),
-    "<",
-)
+# torch's frames name it as imported, which is not the resolved path where a virtual environment is a link
+TORCH_DIRS = (TORCH_DIR, str(Path(str(__import__("torch").__file__)).parent))
+# frames that are not the user's: paratrain's, torch's, the standard library's, and frozen or generated code
+_NOT_USERS = (PACKAGE_DIR, *TORCH_DIRS, os.path.dirname(os.__file__), "<")
 
 
 def python_stacks() -> list[dict[str, Any]]:
