@@ -6,7 +6,9 @@ import os
 import threading
 import time
 
-from paratrain.diagnostics.board import Board
+import torch.distributed as dist
+
+from paratrain.diagnostics.board import Board, cause_found_by, claim_diagnosis, diagnosed_by, found_cause
 
 
 class DictStore:
@@ -137,3 +139,18 @@ def test_a_rank_that_saw_the_failure_and_left_is_not_named_as_silent():
     finally:
         for board in boards:
             board.close()
+
+
+def test_the_jobs_diagnosis_is_claimed_once_and_the_others_learn_who_gave_it():
+    """One diagnosis a job: the first claim wins, later ones (any monitor, any meeting) read whose it is."""
+    store = dist.HashStore()
+    assert diagnosed_by(store) is None
+    assert claim_diagnosis(store, rank=1)
+    assert not claim_diagnosis(store, rank=0) and not claim_diagnosis(store, rank=1)
+    assert diagnosed_by(store) == 1
+    assert cause_found_by(store) is None  # a hang report is a diagnosis, not a mistake found: a peer's exit is a crash
+    found_cause(store, rank=1)
+    assert cause_found_by(store) == 1
+    broken = DictStore()
+    broken.broken = True
+    assert claim_diagnosis(broken, rank=0) and diagnosed_by(broken) is None  # nobody else can be told either

@@ -15,12 +15,15 @@ import pytest
 
 from paratrain.diagnostics.hang_report import HangReport, RankReport
 from paratrain.diagnostics.skipped import paratrain_call, paratrain_calls
-from paratrain.diagnostics.stacks import PACKAGE_DIR
+from paratrain.diagnostics.stacks import PACKAGE_DIR, UserLine, calling
 from paratrain.errors import CollectiveError
 from paratrain.launch.failures import error_line
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 3.0
+# the collective timeout of jobs whose mistake must be named without waiting for it: the default. Their subprocess
+# limit (150 s) is half of it, so a job that ends at all ended long before it
+UNREACHED_TIMEOUT = 300.0
 # how soon after the fault a job ends: the timeout, a report that waits for every answering rank (torch's first
 # symbolisation of call sites takes seconds on a loaded machine), and the launcher's teardown
 ENDS_WITHIN_S = 30.0
@@ -139,12 +142,16 @@ def test_the_fault_matrix_each_job_ends_and_its_report_names_the_rank_its_state_
             assert "collective mismatch" in output and f'user_hang.py", line {line}' in output, tail
 
 
-def _skipped_run(call: str, workdir: Path) -> tuple[int, str]:
-    """``paratrain launch`` of user_skipped.py, its output as the console shows it (stdout and stderr in one pipe)."""
-    command = [*_launchers()["paratrain launch"], str(SCRIPTS / "user_skipped.py"), "--call", call]
+def _skipped_run(
+    call: str, workdir: Path, timeout: float = TIMEOUT, script: str = "user_skipped.py"
+) -> tuple[int, str]:
+    """``paratrain launch`` of a user's script (user_skipped.py: ``--call``; user_zero3_forward.py: ``--where``), its
+    output as the console shows it (stdout and stderr in one pipe)."""
+    option = "--where" if script == "user_zero3_forward.py" else "--call"
+    command = [*_launchers()["paratrain launch"], str(SCRIPTS / script), option, call]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [*command, "--timeout", str(TIMEOUT)],
+        [*command, "--timeout", str(timeout)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -155,8 +162,8 @@ def _skipped_run(call: str, workdir: Path) -> tuple[int, str]:
     return done.returncode, done.stdout
 
 
-def _skipped_line(text: str) -> int:
-    lines = (SCRIPTS / "user_skipped.py").read_text().splitlines()
+def _skipped_line(text: str, script: str = "user_skipped.py") -> int:
+    lines = (SCRIPTS / script).read_text().splitlines()
     return next(i for i, line in enumerate(lines, start=1) if text in line)
 
 
@@ -177,18 +184,72 @@ def test_a_collective_only_rank_0_makes_is_named_with_its_line_by_rank_0_once(tm
 
 
 @pytest.mark.processes
-def test_a_paratrain_call_only_rank_0_makes_is_named_with_its_line_and_the_rule(tmp_path):
-    """Issue 27: par.barrier() under ``if par.is_main:``. Each rank's error names the call, its line and the rule,
-    once per rank; the launcher's summary lines point to them."""
-    code, output = _skipped_run("barrier", tmp_path)
-    call = f"rank 0 in par.barrier() at {SCRIPTS / 'user_skipped.py'}:{_skipped_line('call only rank 0 makes')}"
+@pytest.mark.parametrize(
+    ("call", "marker"),
+    [
+        ("barrier", "call only rank 0 makes"),
+        pytest.param("all_reduce", "metric only rank 0 all-reduces", marks=pytest.mark.slow),  # barrier's path again
+    ],
+)
+def test_a_paratrain_call_only_rank_0_makes_is_named_once_with_its_line_and_the_rule(tmp_path, call, marker):
+    """Issue 27, and par.all_reduce(t) under ``if rank == 0:`` (of another size than a bucket, which gloo would
+    pair with rank 1's bucket and abort the process on): rank 0 meets rank 1 in the store before launching the
+    collective, sees it go on into its backward, and raises a CollectiveError naming the call, its line and the
+    rule, long before the timeout, on one line, once. Rank 1's collective then fails in one short line pointing to
+    rank 0's error; the launcher's summary points to it too; the exit code is rank 0's, 1."""
+    code, output = _skipped_run(call, tmp_path, timeout=UNREACHED_TIMEOUT)
+    site = f"par.{call}() at {SCRIPTS / 'user_skipped.py'}:{_skipped_line(marker)}"
+    diagnosis = f"paratrain.errors.CollectiveError: rank 0: {site} is a collective, called on rank 0 but not on every"
     assert code == 1, output
-    assert call in output and "Every rank calls par.barrier() at the same point" in output, output
-    errors = [line for line in output.splitlines() if line.startswith("paratrain.errors.CollectiveError: ")]
-    assert errors and all(call in line for line in errors), output
-    assert len({line.split(":", 2)[1] for line in errors}) == len(errors), output  # one diagnosis a rank
-    summaries = [line for line in output.splitlines() if line.startswith("paratrain launch: rank ")]
-    assert all(call not in line for line in summaries), summaries
+    assert output.count(site) == 1 and output.count(diagnosis) == 1, output
+    line = next(line for line in output.splitlines() if line.startswith(diagnosis))
+    assert "rank 1 went on without it: it launched the group's collective #" in line, line
+    assert f"Every rank calls par.{call}() at the same point, not under a condition on the rank" in line, line
+    assert "did not complete within" not in output and "hang report" not in output, output  # not the timeout's
+    assert "collective mismatch" not in output and "SIGABRT" not in output, output  # not gloo's abort
+    summary = next(line for line in output.splitlines() if line.startswith("paratrain launch: rank 0 exited"))
+    assert summary.endswith(f"par.{call}() that not every rank called; the diagnosis is in rank 0's output above")
+    peer = [line for line in output.splitlines() if line.startswith("paratrain.errors.CollectiveError: rank 1")]
+    assert all(line.endswith("failed when rank 0 stopped; rank 0's error says why") for line in peer), peer
+
+
+@pytest.mark.processes
+def test_a_training_forward_only_rank_0_runs_under_zero3_is_named_with_its_lines_once(tmp_path):
+    """Rank 0 runs a training forward (autograd on) before the step's forward, rank 1 does not: the extra forward's
+    all-gathers pair silently with rank 1's forward (units of one size), and rank 0's next forward would pair with
+    rank 1's backward. Rank 0, at one training forward more than its last backward followed, meets rank 1 first,
+    sees it go on, and names both forwards' lines and the rule: once, long before the timeout."""
+    code, output = _skipped_run("before", tmp_path, timeout=UNREACHED_TIMEOUT, script="user_zero3_forward.py")
+    script = SCRIPTS / "user_zero3_forward.py"
+    extra = f"{script}:{_skipped_line('training forward only rank 0 runs', script.name)}"
+    step = f"{script}:{_skipped_line('loss = model(x).sum()', script.name)}"
+    diagnosis = (
+        f"paratrain.errors.CollectiveError: rank 0: a training forward (autograd on) that not every rank runs: rank 0 "
+        f"ran 2 training forwards without a backward between them, at {extra}, then at {step}, while rank 1 ran fewer "
+        f"and went on: it launched the group's collective #"
+    )
+    assert code == 1, output
+    assert output.count(diagnosis) == 1 and output.count(extra) == 1, output
+    assert "every rank runs the same forwards in the same order: evaluate under torch.no_grad() on every rank" in output
+    assert "did not complete within" not in output and "hang report" not in output, output
+    summary = next(line for line in output.splitlines() if line.startswith("paratrain launch: rank 0 exited"))
+    assert summary.endswith("a training forward that not every rank ran; the diagnosis is in rank 0's output above")
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_an_extra_training_forward_inside_the_step_is_named_and_forwards_every_rank_runs_are_not(tmp_path):
+    """The extra forward between the step's forward and its backward is named the same way; a loop whose every rank
+    runs a forward without a backward at every step (two training forwards a backward) meets once and finishes."""
+    (tmp_path / "inside").mkdir()
+    code, output = _skipped_run("inside", tmp_path / "inside", UNREACHED_TIMEOUT, "user_zero3_forward.py")
+    script = SCRIPTS / "user_zero3_forward.py"
+    extra = f"{script}:{_skipped_line('extra forward only rank 0 runs', script.name)}"
+    assert code == 1 and output.count("ran 2 training forwards without a backward between them, at ") == 1, output
+    assert f"then at {extra}, while rank 1 ran fewer and went on" in output, output
+    (tmp_path / "none").mkdir()
+    code, output = _skipped_run("none", tmp_path / "none", UNREACHED_TIMEOUT, "user_zero3_forward.py")
+    assert code == 0 and "rank 0 finished" in output and "rank 1 finished" in output, output
 
 
 def test_a_stack_in_a_paratrain_call_names_the_call_and_the_users_line():
@@ -209,6 +270,24 @@ def test_a_stack_in_a_paratrain_call_names_the_call_and_the_users_line():
     assert "Every rank calls par.barrier() at the same point" in said
     together = HangReport(0, "", 1, 3.0, 0.0, [rank(0, backward), rank(1, backward)])
     assert paratrain_calls(together) == ""  # the same call on every rank: a stall, not a skipped call
+
+
+def test_the_paratrain_call_and_the_users_line_are_read_from_the_live_frames():
+    """What a meeting posts and a zero3 forward notes: the outermost paratrain frame's call, the user's line."""
+    code = "def barrier():\n    return inner()\ndef inner():\n    return calling()\n"
+    code += "def __exit__():\n    return calling()\n"
+    namespace: dict = {"calling": calling}
+    exec(compile(code, f"{PACKAGE_DIR}/parallel.py", "exec"), namespace)  # functions that live in paratrain's file
+    line = sys._getframe().f_lineno + 1
+    assert namespace["barrier"]() == ("par.barrier()", f"{__file__}:{line}")
+    assert namespace["__exit__"]()[0] == "par.close()"  # the end of a `with Parallel(...)` block
+    assert calling() == ("", "")  # outside paratrain
+    lines = UserLine()
+    namespace["lines"] = lines
+    exec(compile("def forward():\n    return lines()\n", f"{PACKAGE_DIR}/x.py", "exec"), namespace)
+    first = [namespace["forward"]() for _ in range(2)]  # walked, then looked up at the same depth
+    assert first == [f"{__file__}:{sys._getframe().f_lineno - 1}"] * 2
+    assert (lambda: namespace["forward"]())() == f"{__file__}:{sys._getframe().f_lineno}"  # another path: walked
 
 
 def test_the_launchers_line_for_a_collective_error_is_its_short_summary():

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from paratrain.comm.meeting import Meeting
-from paratrain.errors import ConfigError
+from paratrain.errors import CollectiveError, ConfigError
 
 
 def _meet(store, rank: int, times: int, found: dict) -> None:
@@ -36,3 +36,23 @@ def test_a_refused_meeting_withdraws_its_key():
     with pytest.raises(ConfigError, match="1"):
         meeting.attend("eval", range(2), "an evaluation", refuse=lambda gone: f"ranks {sorted(gone)} went on")
     assert not store.check(["test/meet/eval-1/0"])
+
+
+def test_a_refusal_and_a_timeout_raise_the_callers_errors():
+    """The strategy's collectives raise CollectiveError (with the hang report on a timeout), not ConfigError."""
+    store = dist.HashStore()
+    went_on = Meeting(store, "test/meet", 0, timeout=60, gone=lambda: {1: "went on"})
+    with pytest.raises(CollectiveError, match=r"rank 1 went on"):
+        went_on.attend(
+            "collective", range(2), "par.barrier()", refuse=lambda gone: f"rank 1 {gone[1]}", error=CollectiveError
+        )
+    late = Meeting(store, "test/meet", 0, timeout=0.2, gone=dict)
+    with pytest.raises(CollectiveError, match=r"missing \[1\]"):
+        late.attend(
+            "collective",
+            range(2),
+            "par.barrier()",
+            refuse=str,
+            overdue=lambda missing: CollectiveError(f"missing {missing}"),
+        )
+    assert not store.check(["test/meet/collective-1/0"])  # withdrawn both times

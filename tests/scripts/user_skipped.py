@@ -5,6 +5,7 @@
 --call extra     rank 0 makes a torch.distributed all-reduce of its own (a gradient bucket's size), rank 1 does not
                  and finishes its steps
 --call barrier   rank 0 calls par.barrier() under ``if par.is_main:``
+--call all_reduce  rank 0 calls par.all_reduce(t) under ``if par.rank == 0:`` (a metric of another size than a bucket)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import paratrain
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--call", choices=["extra", "barrier"], default="extra")
+    parser.add_argument("--call", choices=["extra", "barrier", "all_reduce"], default="extra")
     parser.add_argument("--timeout", type=float, default=3.0)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -31,8 +32,10 @@ def main() -> None:
         if step == 1 and par.rank == 0:
             if args.call == "extra":
                 dist.all_reduce(torch.ones(10))  # the collective only rank 0 makes
-            else:
+            elif args.call == "barrier":
                 par.barrier()  # the paratrain call only rank 0 makes
+            else:
+                par.all_reduce(torch.ones(3))  # the metric only rank 0 all-reduces
         par.backward(loss)
     print(f"rank {par.rank} finished", flush=True)
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 
 from paratrain.comm.process_groups import default_store, group_sequence, keep_forever, to_seconds, wait_work
-from paratrain.diagnostics.board import Board
+from paratrain.diagnostics.board import Board, cause_found_by, claim_diagnosis, diagnosed_by, found_cause
 from paratrain.diagnostics.error_file import error_line, record_error
 from paratrain.diagnostics.hang_report import ANSWERING_WAIT_S, Answerer, HangReport, gather
 from paratrain.diagnostics.mismatch import RING, WINDOW, call_site, divergence, first_drift
@@ -161,7 +161,9 @@ class CollectiveMonitor:
                 continue
             latest = max((number for _, number in entry.get("ring") or []), default=0)
             if here is not None and latest > here:
-                gone[rank] = f"launched the group's collective #{latest}"
+                waiting = entry.get("in")  # [paratrain's number, what, seconds]: the collective it waits in
+                inside = f" (it waits in {waiting[1]})" if waiting and len(waiting) > 1 else ""
+                gone[rank] = f"launched the group's collective #{latest}{inside}"
             elif entry.get("closed"):
                 gone[rank] = "closed its Parallel (or wrapper)"
         return gone
@@ -283,6 +285,7 @@ class CollectiveMonitor:
             return  # the rank ahead made the extra collective, knows where, and says so
         if not self._claim():
             return  # the host's wait failed first, and says why (this rank's extra collective too)
+        found_cause(board.store, self.global_rank)  # the peer's collective fails when this rank leaves: it says so
         if here > there:
             board.failed(seq)  # the peer behind sees that this rank is reporting
         ahead, behind = (self.global_rank, peer) if here > there else (peer, self.global_rank)
@@ -348,11 +351,7 @@ class CollectiveMonitor:
         board = self._board
         if board is None:
             return None
-        try:
-            first = board.store.add(f"{board.prefix}/reporters", 1) == 1
-        except Exception:
-            first = True  # the store is gone: this rank describes what it can
-        if not first:
+        if not claim_diagnosis(board.store, self.global_rank):  # one report a job, from any monitor
             return None
         report = gather(board, self._group, self.status(True), seq=seq, what=what, timeout=self.timeout, seqs=seqs)
         try:
@@ -362,13 +361,16 @@ class CollectiveMonitor:
             print(f"paratrain: could not write the hang report to {self.report_path}: {exc}", file=sys.stderr)
         return report
 
-    def timeout_error(self, seq: int, what: str) -> CollectiveError:
-        """The error for collective ``seq`` not completing in time, naming the ranks that did not arrive; the first
+    def timeout_error(self, seq: int, what: str, missing_ranks: list[int] | None = None) -> CollectiveError:
+        """The error for collective ``seq`` not completing in time, naming the ranks that did not arrive (by the
+        board's counts, or ``missing_ranks`` where the caller knows them: a meeting before the collective); the first
         rank to notice gathers the hang report (every rank's state, collective and stacks) and prints it."""
         if self._board is None:
             who, report = "the process group has no store to tell which ranks are missing", None
         else:
             missing, unknown = self._board.behind(seq)
+            if missing_ranks is not None:
+                missing = list(missing_ranks)
             self._board.failed(seq)
             report = self._report(seq, f"{what} (collective #{seq}) did not complete within {self.timeout:g}s")
             if report is not None:
@@ -388,6 +390,8 @@ class CollectiveMonitor:
                 who = "the store is unreachable"
             if unknown:
                 who += f" (rank(s) {_ranks(unknown)} could not be asked: the store is unreachable)"
+            if report is None:
+                who += self._pointer()
         if report is not None:
             print(report.render(), file=sys.stderr, flush=True)
         return CollectiveError(
@@ -402,6 +406,14 @@ class CollectiveMonitor:
     def failure_error(self, seq: int, what: str, exc: BaseException) -> CollectiveError:
         """The error for collective ``seq`` failing (a peer closed its connection, say), naming silent ranks."""
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        other = self._cause_elsewhere()
+        if other is not None:  # that rank said what went wrong, and left: this rank's collective failed with it
+            return CollectiveError(
+                f"rank {self.global_rank}: {what} (collective #{seq}) failed when rank {other} stopped; rank {other}'s "
+                f"error says why",
+                summary=f"rank {self.global_rank}: {what} failed when rank {other} stopped; see rank {other}'s error",
+                backend_error=exc,
+            )
         who, report = "", None
         if self._board is not None:
             self._board.failed(seq)
@@ -422,6 +434,39 @@ class CollectiveMonitor:
             summary=_summary(self.global_rank, f"{what} (collective #{seq}) failed"),
             backend_error=exc,
         )
+
+    def refusal(self, message: str, short: str) -> CollectiveError:
+        """The error for a mistake this rank found before launching anything (a call its peers did not make, seen in
+        a meeting): ``message`` whole when this rank is the job's first to diagnose what went wrong, else ``short``
+        pointing to the rank that did; the launcher's summary quotes ``short`` either way. ``message`` starts with
+        ``rank N: ``."""
+        store = self._board.store if self._board is not None else None
+        if store is not None:
+            found_cause(store, self.global_rank)
+        if store is None or claim_diagnosis(store, self.global_rank):
+            return CollectiveError(message, summary=_summary(self.global_rank, short))
+        return CollectiveError(
+            f"rank {self.global_rank}: {short}{self._pointer()}", summary=f"rank {self.global_rank}: {short}"
+        )
+
+    def unmet_error(self, what: str, missing: list[int]) -> CollectiveError:
+        """The error for the collective this rank was about to launch (its next number) when ``missing`` did not come
+        to the meeting before it within the timeout: :meth:`timeout_error`'s, with the hang report."""
+        return self._failed(self.timeout_error(self._seq + 1, what, missing))
+
+    def _diagnosed_elsewhere(self) -> int | None:
+        """The rank that gave the job's diagnosis (its hang report, or the mistake it found), when not this one."""
+        by = diagnosed_by(self._board.store) if self._board is not None else None
+        return by if by is not None and by != self.global_rank else None
+
+    def _cause_elsewhere(self) -> int | None:
+        """The rank that found the job's mistake and left because of it, when not this one."""
+        by = cause_found_by(self._board.store) if self._board is not None else None
+        return by if by is not None and by != self.global_rank else None
+
+    def _pointer(self) -> str:
+        other = self._diagnosed_elsewhere()
+        return f"; rank {other}'s error has the diagnosis" if other is not None else ""
 
     def _why(self, report: HangReport | None) -> str:
         """What made the ranks part, where this rank or the report can tell: a collective of the user's this rank

@@ -6,13 +6,16 @@ and while it waits for the others it reads the progress board (:mod:`paratrain.d
 launched a collective this one has not (its next training step's gradient reduction, say) waits in it for this
 rank, and a rank that closed its end of the group has left: neither will come, so the wait ends at once (within a
 heartbeat or two) with an error naming them, and what they should have called. A rank that went on otherwise (a
-collective of its own, outside paratrain's) is found by the timeout.
+collective of its own, outside paratrain's) is found by the timeout. The strategy's collectives meet before they
+launch (each rank posts which it is about to run), and so do zero3's forwards under no_grad and its training
+forwards beyond the count the last backward followed.
 
     meeting = Meeting(store, "paratrain/strategy-0/meet", rank, timeout, gone=monitor.peers_gone)
     meeting.attend("sharded-save", range(n), "par.save()", refuse=lambda gone: f"... {gone} went on ...")
     meeting.announce("save-ab12", "written")                # rank 0 wrote the file; the others wait for its word:
     meeting.attend("save-ab12", [0], "par.save()", refuse=..., come=False)
     meeting.exchange("sharded-write", "written", range(n), "par.save()", refuse=..., sync=par.barrier)  # every word
+    meeting.attend("collective", range(n), "par.barrier()", refuse=..., value="barrier", error=CollectiveError)
 """
 
 from __future__ import annotations
@@ -53,21 +56,30 @@ class Meeting:
         self._last: dict[str, frozenset[int]] = {}  # the ranks of each name's last meeting that every rank came to
 
     def attend(
-        self, name: str, ranks: Iterable[int], what: str, refuse: Callable[[dict[int, str]], str], *, come: bool = True
+        self,
+        name: str,
+        ranks: Iterable[int],
+        what: str,
+        refuse: Callable[[dict[int, str]], str],
+        *,
+        come: bool = True,
+        value: str = "here",
+        error: Callable[[str], BaseException] = ConfigError,
+        overdue: Callable[[list[int]], BaseException] | None = None,
     ) -> dict[int, str]:
-        """Come to the next meeting called ``name`` (``come=False``: only wait there) and wait for ``ranks``; what
-        each posted there. A meeting refused or timed out is withdrawn: this rank's next one of that name is the
-        same meeting again, so a loop that goes on after the error meets its peers at the next call.
+        """Come to the next meeting called ``name`` (``come=False``: only wait there), posting ``value``, and wait
+        for ``ranks``; what each posted there. A meeting refused or timed out is withdrawn: this rank's next one of
+        that name is the same meeting again, so a loop that goes on after the error meets its peers at the next call.
 
         Raises:
-            ConfigError, CollectiveError: as :meth:`wait_for`.
+            ConfigError, CollectiveError: as :meth:`wait_for` (``error`` and ``overdue`` as there).
         """
         point = self._next(name)
         ranks = list(ranks)
         if come:
-            self.post(point)
+            self.post(point, value)
         try:
-            posted = self.wait_for(point, ranks, what, refuse)
+            posted = self.wait_for(point, ranks, what, refuse, error=error, overdue=overdue)
         except BaseException:
             self._counts[name] -= 1
             if come:
@@ -130,14 +142,22 @@ class Meeting:
         self._store.set(self._key(point, self.rank), value)  # type: ignore[attr-defined]
 
     def wait_for(
-        self, point: str, ranks: Iterable[int], what: str, refuse: Callable[[dict[int, str]], str]
+        self,
+        point: str,
+        ranks: Iterable[int],
+        what: str,
+        refuse: Callable[[dict[int, str]], str],
+        *,
+        error: Callable[[str], BaseException] = ConfigError,
+        overdue: Callable[[list[int]], BaseException] | None = None,
     ) -> dict[int, str]:
         """Wait until every one of ``ranks`` posted ``point``; what each posted. ``what``: the call, for errors.
 
         Raises:
             ConfigError: a rank still missing went on past the point (``refuse`` makes the message from the
-                ranks that did, and how).
-            CollectiveError: a rank still missing neither came nor went on within the timeout.
+                ranks that did, and how; ``error`` the exception from the message).
+            CollectiveError: a rank still missing neither came nor went on within the timeout (``overdue``, given
+                the ranks still missing, makes the exception instead).
         """
         missing = [r for r in ranks if r != self.rank]
         posted: dict[int, str] = {}
@@ -157,8 +177,10 @@ class Meeting:
                 looked = now
                 gone = {r: how for r, how in self._gone().items() if r in missing}
                 if gone:
-                    raise ConfigError(refuse(gone))
+                    raise error(refuse(gone))
             if now - started > self.timeout:
+                if overdue is not None:
+                    raise overdue(missing)
                 raise CollectiveError(
                     f"rank {self.rank} waited {self.timeout:g} s for rank(s) {', '.join(map(str, missing))} at "
                     f"{what}, which neither came nor launched a collective since (stopped, or dead?)"

@@ -16,10 +16,15 @@ watchdog, the hang report's request: see :mod:`paratrain.diagnostics.hang_report
     board.silent()                   # global ranks whose heartbeat did not move for a while, and unreadable ones
     board.read()                     # every other rank's entry, by global rank
     board.close()
+    claim_diagnosis(store, rank=0)   # True for the job's first rank to say what went wrong (its error is the one)
+    diagnosed_by(store)              # that rank, for the others' errors to point to; None while no one has
+    found_cause(store, rank=0)       # this rank found the mistake (a call its peers did not make) and leaves
+    cause_found_by(store)            # that rank: a peer whose collective fails as it leaves says so in one line
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -28,9 +33,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HEARTBEAT_S", "Board"]
+__all__ = ["HEARTBEAT_S", "Board", "cause_found_by", "claim_diagnosis", "diagnosed_by", "found_cause"]
 
 HEARTBEAT_S = 1.0  # the heartbeat's period; a rank silent for a few of these is not running
+DIAGNOSIS_KEY = "paratrain/diagnosis"  # the job's one diagnosis: which rank gives it (every monitor, every meeting)
+CAUSE_KEY = "paratrain/cause"  # the rank that found the job's mistake and leaves because of it
 _HOST = socket.gethostname()
 
 
@@ -188,3 +195,42 @@ class Board:
             if entry is not None and "failed" not in entry and (before.get(rank) or {}).get("beat") == entry["beat"]
         ]
         return silent, unknown
+
+
+def claim_diagnosis(store: Any, rank: int) -> bool:
+    """True for the first rank of the job to claim the diagnosis (it prints the error that says what went wrong,
+    with the hang report when there is one); False for every later claim, whose errors point to that rank's. True
+    when the store cannot be reached: no one else can be told either."""
+    try:
+        first = bool(store.add(f"{DIAGNOSIS_KEY}/claims", 1) == 1)
+        if first:
+            store.set(DIAGNOSIS_KEY, str(rank))
+    except Exception:
+        return True
+    return first
+
+
+def diagnosed_by(store: Any) -> int | None:
+    """The global rank that claimed the job's diagnosis (:func:`claim_diagnosis`); None when none has, or the store
+    cannot be read."""
+    return _rank_at(store, DIAGNOSIS_KEY)
+
+
+def found_cause(store: Any, rank: int) -> None:
+    """``rank`` found what went wrong (a call its peers did not make, ranks that ran different collectives) and
+    leaves because of it: a peer whose collective then fails knows it failed for that reason, not a crash."""
+    with contextlib.suppress(Exception):  # the store is gone: the peers' errors say less, this rank's says it all
+        store.set(CAUSE_KEY, str(rank))
+
+
+def cause_found_by(store: Any) -> int | None:
+    """The global rank that found the job's mistake (:func:`found_cause`); None when none did, or the store cannot be
+    read."""
+    return _rank_at(store, CAUSE_KEY)
+
+
+def _rank_at(store: Any, key: str) -> int | None:
+    try:
+        return int(store.get(key).decode()) if store.check([key]) else None
+    except Exception:
+        return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from paratrain.diagnostics.stacks import PACKAGE_DIR, TORCH_DIR, user_frame
+from paratrain.diagnostics.stacks import PACKAGE_DIR, TORCH_DIRS, user_frame
 
 __all__ = ["RING", "WINDOW", "call_site", "divergence", "first_drift", "is_ours"]
 
@@ -71,7 +71,7 @@ def is_ours(collective: dict[str, Any]) -> bool:
     """True when paratrain's code called it (its innermost frame outside torch is paratrain's)."""
     for frame in reversed(list(collective.get("frames", []))):
         path = str(frame.get("file", ""))
-        if path.startswith(TORCH_DIR):
+        if path.startswith(TORCH_DIRS):
             continue
         return path.startswith(PACKAGE_DIR)
     return False

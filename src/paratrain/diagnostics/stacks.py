@@ -1,6 +1,8 @@
 """Where a process is: its Python stacks (every thread), and for a process that cannot answer, what the system says.
 
     python_stacks()                      # this process: [{"thread": "MainThread", "frames": [...]}, ...]
+    calling()                            # ("par.barrier()", "train.py:40"): the paratrain call this thread is in
+    UserLine()()                         # "train.py:40", cheap when called along the same path each time
     arm_signal_dump()                    # SIGUSR1 then writes every thread's stack to a file (faulthandler)
     is_stack_file("paratrain-stacks-41-k2x9.txt")   # True: a name arm_signal_dump gives
     drop_unused_dump()                   # before os._exit, which skips atexit: the file goes while it is empty
@@ -32,6 +34,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any
 
 from paratrain.files import scratch_directory
@@ -40,7 +43,10 @@ __all__ = [
     "PACKAGE_DIR",
     "STACKS_PREFIX",
     "TORCH_DIR",
+    "TORCH_DIRS",
+    "UserLine",
     "arm_signal_dump",
+    "calling",
     "drop_unused_dump",
     "is_stack_file",
     "process_state",
@@ -74,6 +80,10 @@ class _SignalDump:
 _SIGNAL_DUMP = _SignalDump()
 PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # frames inside paratrain are not the user's line
 TORCH_DIR = str(Path(str(__import__("torch").__file__)).resolve().parent)
+# torch's frames name it as imported, which is not the resolved path where a virtual environment is a link
+TORCH_DIRS = (TORCH_DIR, str(Path(str(__import__("torch").__file__)).parent))
+# frames that are not the user's: paratrain's, torch's, the standard library's, and frozen or generated code
+_NOT_USERS = (PACKAGE_DIR, *TORCH_DIRS, os.path.dirname(os.__file__), "<")
 
 
 def python_stacks() -> list[dict[str, Any]]:
@@ -91,12 +101,68 @@ def python_stacks() -> list[dict[str, Any]]:
     return stacks
 
 
+def calling() -> tuple[str, str]:
+    """The paratrain call this thread is in and the user's line that made it: (``par.barrier()``, ``train.py:40``).
+
+    Read from the live frames (no traceback objects, no source lines): a few microseconds, cheap enough for each
+    collective a user calls and each training forward. The call is the outermost paratrain frame's function
+    (``par.NAME()`` for one of :class:`paratrain.Parallel`'s); ``("", "")`` outside paratrain or without a user's
+    frame."""
+    frame: FrameType | None = sys._getframe(1)
+    ours: FrameType | None = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(PACKAGE_DIR):
+            ours = frame
+        elif not path.startswith(_NOT_USERS):
+            break
+        frame = frame.f_back
+    if frame is None or ours is None:
+        return "", ""
+    name = "close" if ours.f_code.co_name == "__exit__" else ours.f_code.co_name  # a `with Parallel(...)` block ends
+    call = f"par.{name}()" if ours.f_code.co_filename.endswith("parallel.py") else f"paratrain's {name}()"
+    return call, f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class UserLine:
+    """The user's line of a call made along the same path again and again (each training forward), for a hook deep
+    inside it: found by walking up the frames once, then looked up at the same depth (two frames materialised, not
+    every one on the way: well under a microsecond), and walked again wherever the path differs.
+
+        line = UserLine()
+        line()                           # "train.py:40": the innermost frame outside paratrain, torch, the stdlib
+    """
+
+    def __init__(self) -> None:
+        self._depth: int | None = None  # frames from the caller of __call__ up to the user's
+
+    def __call__(self) -> str:
+        depth = self._depth
+        if depth is not None:
+            try:
+                inner, frame = sys._getframe(depth + 1), sys._getframe(depth + 2)
+            except ValueError:  # a shallower stack than last time: walked below
+                pass
+            else:
+                user = frame.f_code.co_filename
+                if inner.f_code.co_filename.startswith(_NOT_USERS) and not user.startswith(_NOT_USERS):
+                    return f"{user}:{frame.f_lineno}"
+        walked: FrameType | None = sys._getframe(1)
+        depth = 0
+        while walked is not None and walked.f_code.co_filename.startswith(_NOT_USERS):
+            walked, depth = walked.f_back, depth + 1
+        if walked is None:
+            self._depth = None
+            return ""
+        self._depth = depth - 1 if depth > 0 else None  # called from the user's own frame: nothing inner to check
+        return f"{walked.f_code.co_filename}:{walked.f_lineno}"
+
+
 def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The innermost frame outside paratrain, torch and the standard library: the user's line, if any."""
-    stdlib = os.path.dirname(os.__file__)
     for frame in reversed(frames):
         path = str(frame.get("file", ""))
-        if path.startswith((PACKAGE_DIR, TORCH_DIR, stdlib)) or path.startswith("<"):
+        if path.startswith(_NOT_USERS):
             continue
         found: dict[str, Any] = frame
         return found

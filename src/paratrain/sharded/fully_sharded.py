@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from torch.utils.hooks import RemovableHandle
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from paratrain.comm.process_groups import no_python_in_work, to_seconds
 from paratrain.ddp.setup import agree_at_start_up
+from paratrain.diagnostics.stacks import UserLine
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.flat_unit import ShardedUnit
 from paratrain.sharded.grad_norm import clip_to, tensor_norm
@@ -169,6 +171,15 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         # called before a forward under no_grad gathers anything (Zero3Strategy: every rank meets, so a forward on
         # one rank only, an evaluation under `if rank == 0`, is refused at once instead of hanging in its all-gather)
         self.before_no_grad_forward: Callable[[], object] | None = None
+        # training forwards since the last backward ended, where the latest were called, and how many the last backward
+        # followed: a rank that runs more than that meets the others first (before_extra_forward, given the call sites
+        # and the count), so a training forward on one rank only is named before its all-gathers pair with a peer's
+        # backward; a loop of one forward per backward never meets (nothing per step but a count and a call site)
+        self._forwards = 0
+        self._forward_sites: deque[str] = deque(maxlen=4)
+        self._user_line = UserLine()  # the walk up to the user's line, done once for the loop's own forward call
+        self._forwards_per_backward = 1
+        self.before_extra_forward: Callable[[list[str], int], object] | None = None
         self._install()
 
     # -- set-up -----------------------------------------------------------------------------------------------
@@ -235,6 +246,8 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         grad = torch.is_grad_enabled()
         if not grad and self.world_size > 1 and self.before_no_grad_forward is not None:
             self.before_no_grad_forward()  # before any collective: a refusal leaves nothing half-done
+        if grad and self.world_size > 1:
+            self._count_training_forward()
         sync = grad and self.require_backward_grad_sync
         if self.forward_sync_buffers and self.require_forward_param_sync:
             buffers = list(self.module.buffers())
@@ -248,6 +261,13 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         for unit in self.units:
             unit._reset_backward()
         self._recording = [] if self._order is None else None
+
+    def _count_training_forward(self) -> None:
+        """One training forward more since the last backward; more than the last backward followed: meet first."""
+        self._forwards += 1
+        self._forward_sites.append(self._user_line())
+        if self._forwards > self._forwards_per_backward and self.before_extra_forward is not None:
+            self.before_extra_forward(list(self._forward_sites), self._forwards)
 
     def _gather(self, unit: ShardedUnit) -> None:
         unit.launch_gather(self.process_group, self.monitor)
@@ -403,6 +423,8 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def _finish(self) -> None:
         """End of backward: reduce what is left, wait for every reduce-scatter, release every gathered unit."""
         self._callback_queued = False
+        self._forwards_per_backward, self._forwards = max(1, self._forwards), 0
+        self._forward_sites.clear()
         try:
             if self._sync:
                 for unit in self.units:

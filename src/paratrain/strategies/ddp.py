@@ -23,6 +23,7 @@ from paratrain.comm.process_groups import default_store, group_sequence
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.ddp.options import DDPOptions, Refusal, refuse_options
 from paratrain.diagnostics.flight_recorder import small_buffer_unless_set
+from paratrain.diagnostics.stacks import calling
 from paratrain.dp.scatter_gather import shard
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import ConfigError
@@ -245,8 +246,39 @@ class DistributedStrategy(Strategy):
         monitor = self._monitor
         if monitor is None:
             raise ConfigError("the ddp strategy's collectives need setup() first (Parallel calls it)")
+        self._meet(monitor, what)
         seq = monitor.launched()
         monitor.wait(launch(), seq, what)
+
+    def _meet(self, monitor: CollectiveMonitor, what: str) -> None:
+        """Before each of the strategy's collectives every rank meets the others in the store and says which one it
+        is about to run. A rank that went on without it (it launched a collective of the group this rank has not) or
+        that is about to run another is named now, with the user's line and the rule: launched, the collective would
+        be paired with whatever the peer runs next, which gloo refuses by aborting the process when the sizes differ
+        and sums silently when they match. The strategy's collectives are the loop's own calls (a metric, a barrier, a
+        save), not the training step's, so a meeting's store round trips are not paid at every step.
+
+        Raises:
+            CollectiveError: a rank went on, or runs another collective, or did not come within the timeout.
+        """
+        meeting = self._meeting
+        if meeting is None or self.world_size < 2:
+            return
+        call, line = calling()
+        call = call or what
+        posted = meeting.attend(
+            "collective",
+            range(self.world_size),
+            call,
+            lambda gone: _went_on(self.rank, call, line, gone),
+            value=f"{what}\t{call}\t{line}",
+            error=lambda message: monitor.refusal(message, f"{call} that not every rank called"),
+            overdue=lambda missing: monitor.unmet_error(what, missing),
+        )
+        calls = {rank: value.split("\t") for rank, value in posted.items()}
+        if any(theirs[0] != what for theirs in calls.values()):
+            calls[self.rank] = [what, call, line]
+            raise monitor.refusal(_different_calls(self.rank, calls), "the ranks called different collectives")
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         out = tensor.to(self._device, copy=True)  # nccl takes no CPU tensors
@@ -297,3 +329,28 @@ class DistributedStrategy(Strategy):
 def _described(tensor: torch.Tensor) -> str:
     """``float32 tensor of 4 elements``: what a collective carries, for the errors that name it."""
     return f"{str(tensor.dtype).removeprefix('torch.')} tensor of {tensor.numel()} element{'s' * (tensor.numel() != 1)}"
+
+
+def _at(line: str) -> str:
+    return f" at {line}" if line else ""
+
+
+def _went_on(rank: int, call: str, line: str, gone: dict[int, str]) -> str:
+    """The refusal of a strategy collective a peer went on without (``par.barrier()`` under ``if par.is_main:``)."""
+    others = "; ".join(f"rank {peer} went on without it: it {how}" for peer, how in sorted(gone.items()))
+    return (
+        f"rank {rank}: {call}{_at(line)} is a collective, called on rank {rank} but not on every rank: {others}. "
+        f"Every rank calls {call} at the same point, not under a condition on the rank (`if par.is_main:`): call it "
+        f"on every rank, and use its result on one"
+    )
+
+
+def _different_calls(rank: int, calls: dict[int, list[str]]) -> str:
+    """The refusal of ranks about to run different collectives of the strategy (rank 0 an all-reduce, rank 1 a
+    barrier; or all-reduces of different sizes)."""
+    each = ", ".join(f"rank {r} in {call}{_at(line)} ({what})" for r, (what, call, line) in sorted(calls.items()))
+    return (
+        f"rank {rank}: the ranks are in different paratrain collectives: {each}. Every rank makes the same paratrain "
+        f"calls (par.all_reduce, broadcast, gather, barrier, save) in the same order, with tensors of the same size, "
+        f"not under a condition on the rank"
+    )

@@ -48,6 +48,21 @@ def _forward_everywhere(gone: dict[int, str]) -> str:
     )
 
 
+def _extra_forward(rank: int, sites: list[str], count: int, gone: dict[int, str]) -> str:
+    """The refusal of a training forward (autograd on) that other ranks did not run (a loss looked at on rank 0
+    without torch.no_grad(), an extra forward under ``if par.is_main:``)."""
+    where = ", then at ".join(site or "(no line of yours)" for site in sites)
+    earlier = "..., " if count > len(sites) else ""
+    went_on = "; ".join(f"rank {peer} ran fewer and went on: it {how}" for peer, how in sorted(gone.items()))
+    return (
+        f"rank {rank}: a training forward (autograd on) that not every rank runs: rank {rank} ran {count} training "
+        f"forwards without a backward between them, at {earlier}{where}, while {went_on}. Under zero3 every forward "
+        "all-gathers each unit's weights from every rank, so every rank runs the same forwards in the same order: "
+        "evaluate under torch.no_grad() on every rank, or take model.state_dict() on every rank and evaluate a plain "
+        "copy of the model on the main process"
+    )
+
+
 class Zero3Strategy(ShardedStrategy):
     """Fully sharded data parallel across processes (module docstring).
 
@@ -140,6 +155,15 @@ class Zero3Strategy(ShardedStrategy):
             ranks = range(self.world_size)
             wrapped.before_no_grad_forward = lambda: meeting.attend(
                 "zero3-no-grad-forward", ranks, "a forward under torch.no_grad()", _forward_everywhere
+            )
+            monitor = wrapped.monitor
+            wrapped.before_extra_forward = lambda sites, count: meeting.attend(
+                "zero3-training-forward",
+                ranks,
+                "a training forward",
+                lambda gone: _extra_forward(self.rank, sites, count, gone),
+                error=lambda message: monitor.refusal(message, "a training forward that not every rank ran"),
+                overdue=lambda missing: monitor.unmet_error("the all-gathers of a training forward", missing),
             )
         self._sharded.append(wrapped)
         return wrapped
