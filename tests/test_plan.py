@@ -60,10 +60,13 @@ def test_plan_runs_what_it_can_extrapolates_the_rest_and_says_each_phase(tmp_pat
     assert "a longer budget would" in result.stdout
     # progress: one line per phase on stderr (a pipe), numbered out of what is left, then the total
     progress = [line for line in result.stderr.splitlines() if line.startswith("plan: ")]
-    assert progress[0].startswith("plan: running single, repeat 1 of 3 (1 of ")
-    assert any(line.startswith("plan: running ddp:2, repeat 1 of 3 (") for line in progress)
+    assert progress[0].startswith("plan: running single (3 rounds at most) (1 of ")
+    # one launch of ddp:2 for its rounds and the all-reduce timings
+    ddp = "plan: running ddp:2 (3 rounds at most), then the all-reduce between its processes (2 of "
+    assert sum(line.startswith("plan: running ddp:2") for line in progress) == 1
+    assert any(line.startswith(ddp) for line in progress)
     assert any(line.startswith("plan: measuring compute on one device for world sizes 3 (") for line in progress)
-    assert any(line.startswith("plan: measuring the all-reduce between processes (") for line in progress)
+    assert not any("measuring the all-reduce" in line for line in progress)
     last = progress[-2]
     assert last.startswith("plan: measuring memory (") and " of " in last
     count = last.split("(")[1].split(",")[0]
