@@ -290,7 +290,7 @@ def main() -> int:
                 peaks[strategy] = max(peak)
                 lives = [live_peak(rank) for rank in ranks]
                 live = max(lives) if None not in lives else None  # type: ignore[type-var]
-                plan_error = live / planned[strategy] - 1 if live else None
+                plan_error = planned[strategy] / live - 1 if live else None
                 results.append(
                     {
                         "model": name,
@@ -352,7 +352,7 @@ def main() -> int:
         "within 5%",
         "live peak MiB",
         "plan MiB",
-        "live / plan",
+        "plan error",
     ]
     print_table(headers, rows)
     print(f"\nheld: every tensor alive in the rank after {STEPS} fp32 AdamW steps (zero_grad before each backward,")
@@ -361,7 +361,7 @@ def main() -> int:
     print("before the model was built (CUDA: max_memory_allocated); each the worst rank's. formula (held): ddp 16Ψ,")
     print("zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N, zero3 16Ψ/N (no unit is gathered between steps). live peak: the peak")
     print("less what the resident set held beyond the live tensors after the steps (library pages, malloc's own);")
-    print(f"plan: `paratrain plan`'s total for this model and batch ({backend}); live / plan: the live peak over it")
+    print(f"plan: `paratrain plan`'s total for this model and batch ({backend}); plan error: plan / live peak - 1")
     for name, plan in unit_plans.items():
         listed = ", ".join(f"{unit or '(root)'} {numel / 1e6:.2f}M" for unit, numel in plan)
         print(f"zero3 units of {name} (the default policy): {len(plan)}: {listed}")

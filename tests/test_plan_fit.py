@@ -76,8 +76,8 @@ def test_measured_sizes_are_the_gpus_or_the_cores_or_what_the_user_allows():
 def test_a_round_takes_the_steps_that_fit_its_share_and_at_least_a_second_of_tiny_ones():
     assert round_steps(10, 0.050, round_seconds=3.5) == 20  # 10 steps last 0.5 s: a round of about 1 s
     assert round_steps(10, 0.200, round_seconds=3.5) == 10  # --steps last 2 s: as asked
-    assert round_steps(10, 1.3, round_seconds=3.5) == 3  # --steps would not fit the share: what fits, at least 3
-    assert round_steps(10, 5.0, round_seconds=3.5) == 3
+    assert round_steps(10, 1.3, round_seconds=3.5) == 2  # --steps would not fit the share: what fits, at least 1
+    assert round_steps(10, 5.0, round_seconds=3.5) == 1
     assert round_steps(10, 0.001, round_seconds=0.5) == 500  # tiny steps: a second's worth, within the share
     assert round_steps(10, 0.001, round_seconds=None) == int(MIN_ROUND_SECONDS / 0.001)
     assert round_steps(10, 0.5, round_seconds=None) == 10
@@ -129,7 +129,7 @@ def test_the_budget_notes_say_whether_a_longer_budget_would_change_the_answer():
         "measured: one run per size, rounds x timed steps after the warm-up: single 2 x 3, ddp:2 2 x 3 (fewer rounds "
         "than --repeats 3: the first agreed within 10%)"
     )
-    assert "single, ddp:2 took fewer than --steps 10 to stay within --budget 40 s" in notes[0]
+    assert "single, ddp:2 took fewer than --steps 10 a round to stay within --budget 40 s" in notes[0]
     assert notes[1].startswith("a longer budget would not change the answer by much")
     moving = [_timing("single", 1, [0.100, 0.130, 0.110], 10), _timing("ddp:2", 2, [0.080, 0.081, 0.080], 400)]
     notes = budget_notes(moving, settings, asked_steps=10, budget=40.0)

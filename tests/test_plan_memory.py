@@ -134,14 +134,17 @@ def test_bad_sizes_and_the_fewest_devices():
 
 def test_zero3s_backward_peak_follows_the_units_in_reverse_with_the_gradient_parts_already_reduced():
     """Four units of 100 bytes (50 per rank at N=2) and a root of 10: the root's backward first, then the units
-    last to first; at each, the parts reduced so far, the root's weights, the unit's and the next one's (prefetched)
-    and the unit's whole gradient; on NCCL also the unit before, still reducing (its whole less its part)."""
+    last to first; at each, the parts reduced so far, the root's weights, the unit's and the next one's (prefetched),
+    the unit's whole gradient and the one before it less its part (its reduce in flight); on NCCL also the unit's
+    flat copy of its gradient."""
     units = [Zero3Unit(10, 5, root=True), *(Zero3Unit(100, 50) for _ in range(4))]
-    # the root: 10 + 100 (prefetched) + 10; then done 5, 55, 105, 155 beside 10 + 100 + 100 + 100 (the last: no next)
-    assert zero3_backward_peak(units, "gloo") == max(120, 5 + 310, 55 + 310, 105 + 310, 155 + 210) == 415
-    assert zero3_backward_peak(units, "nccl") == 105 + 310 + (100 - 50) * MAX_REDUCING
+    # the root: 10 + 100 (prefetched) + 10; then done 5, 55, 105, 155 beside 10 + 100 + 100 + 100 + the one before
+    # less its part (5, then 50), the last with no next
+    peaks = [120, 5 + 310 + 5, 55 + 310 + 50, 105 + 310 + 50, 155 + 210 + 50]
+    assert MAX_REDUCING == 1 and zero3_backward_peak(units, "gloo") == max(peaks) == 465
+    assert zero3_backward_peak(units, "nccl") == 465 + 100
     frozen = [Zero3Unit(100, 50, trains=False), Zero3Unit(100, 50)]  # no gradient of its own, none reduced
-    assert zero3_backward_peak(frozen, "gloo") == max(100 + 100 + 100, 50 + 100)
+    assert zero3_backward_peak(frozen, "gloo") == max(100 + 100 + 100, 50 + 100 + 50)
 
 
 def test_zero3_in_flight_is_its_backward_peak_beyond_its_gradient_parts():
@@ -150,6 +153,7 @@ def test_zero3_in_flight_is_its_backward_peak_beyond_its_gradient_parts():
     unit = 262_656 * 4
     (gloo,) = (r for r in memory_rows(model, "adamw", 0.0, [2], lambda n: 0, backend="gloo") if r.strategy == "zero3")
     (nccl,) = (r for r in memory_rows(model, "adamw", 0.0, [2], lambda n: 0, backend="nccl") if r.strategy == "zero3")
-    # the peak at the third unit: two parts reduced, two units' weights, one whole gradient; less the four parts
-    assert gloo.gradients == 4 * unit // 2 and gloo.in_flight == (unit + 3 * unit) - 2 * unit
-    assert nccl.in_flight == gloo.in_flight + unit // 2 and nccl.model_states == gloo.model_states
+    # the peak at the third unit: two parts reduced, two units' weights, one whole gradient and the half of the one
+    # before still reducing; less the four parts
+    assert gloo.gradients == 4 * unit // 2 and gloo.in_flight == (unit + 3 * unit + unit // 2) - 2 * unit
+    assert nccl.in_flight == gloo.in_flight + unit and nccl.model_states == gloo.model_states

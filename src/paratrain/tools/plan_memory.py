@@ -15,9 +15,10 @@ Model states are counted exactly as the strategies allocate them, from the same 
   default policy). Its peak is in backward, which is followed unit by unit (the root first, then the units in
   the reverse of their order in the model): at each unit, its parts of the gradients of the units already
   reduced (``zero_grad`` dropped them all before), the root's whole weights, the unit's and the next one's
-  (prefetched), and whole gradients: on gloo the unit's own only (zero3 all-reduces autograd's gradients in
-  place and settles a unit's reduce before the next unit computes), on NCCL also the :data:`MAX_REDUCING` units
-  before it, still reducing. "in flight" is that peak less the whole of its gradient parts.
+  (prefetched), the unit's whole gradient, and the :data:`MAX_REDUCING` units' before it less their parts (their
+  reduce in flight); on NCCL also the unit's flat copy of its gradient (on gloo zero3 all-reduces autograd's own
+  in place). "in flight" is that peak less the whole of its gradient parts. Against the live peak
+  ``benchmarks/bench_zero_memory.py`` measures on gloo (the worst rank), within -6% .. +7% (benchmarks/README.md).
 
 Activations are measured: the bytes a forward at each per-device batch saves for backward, parameters aside.
 """
@@ -171,13 +172,13 @@ def zero3_backward_peak(units: Sequence[Zero3Unit], backend: str) -> int:
     (module docstring): units in the model's order (the root anywhere; its backward comes first)."""
     root = next((u for u in units if u.root), None)
     order = ([root] if root else []) + [u for u in reversed(units) if not u.root]
-    reducing = 0 if backend == "gloo" else MAX_REDUCING
+    copies = 1 if backend == "gloo" else 2  # autograd's gradient, and elsewhere the flat buffer it is copied into
     peak = done = 0
     for j, unit in enumerate(order):
         weights = (root.whole if root else 0) + (unit.whole if unit is not root else 0)
         weights += order[j + 1].whole if j + 1 < len(order) else 0  # prefetched
-        beside = [u for u in order[max(0, j - reducing) : j] if u.trains]  # still reducing (NCCL)
-        grads = (unit.whole if unit.trains else 0) + sum(u.whole - u.part for u in beside)
+        beside = [u for u in order[max(0, j - MAX_REDUCING) : j] if u.trains]  # their reduce in flight
+        grads = (copies * unit.whole if unit.trains else 0) + sum(u.whole - u.part for u in beside)
         peak = max(peak, done + weights + grads)
         done += unit.part if unit.trains else 0
     return peak

@@ -10,9 +10,10 @@ Each size runs the user's job (model, data, batch, optimizer, clipping) through 
 and building the model cost more than a few steps of most models) runs ``--warmup`` untimed steps, then up to
 ``--repeats`` rounds of timed steps (:func:`run_rounds_in`), and stops after two once the rounds' medians agree
 within :data:`SPREAD_NOTE` (every rank agreeing). A round takes the steps that fit its share of plan's
-``--budget``: fewer than ``--steps`` (at least :data:`~paratrain.tools.bench.MIN_TIMED_STEPS`) for a slow model,
-more for a step so short that ``--steps`` of them would last less than :data:`MIN_ROUND_SECONDS` (a median of ten
-1 ms steps is the load of those 10 ms). The largest size's run also times the all-reduce between its processes
+``--budget``: fewer than ``--steps`` for a slow model (at least one: with two rounds or more the median is still
+of two steps or more, and the rounds' agreement says whether more would move it), more for a step so short that
+``--steps`` of them would last less than :data:`MIN_ROUND_SECONDS` (a median of ten 1 ms steps is the load of
+those 10 ms). The largest size's run also times the all-reduce between its processes
 (:func:`paratrain.tools.allreduce_probe.measure`) when plan extrapolates, instead of a launch of its own.
 """
 
@@ -30,7 +31,6 @@ import torch
 from paratrain.parallel import Parallel
 from paratrain.tools.allreduce_probe import measure as measure_all_reduce
 from paratrain.tools.bench import (
-    MIN_TIMED_STEPS,
     PHASES,
     BenchConfig,
     ConfigTiming,
@@ -86,11 +86,11 @@ def bench_settings(settings: RunSettings, words: list[str]) -> BenchConfig:
 
 def round_steps(asked: int, step_seconds: float, round_seconds: float | None) -> int:
     """Timed steps per round, from the first timed step's ``step_seconds``: ``asked`` (``--steps``), fewer (at least
-    :data:`MIN_TIMED_STEPS`) when they would take longer than ``round_seconds`` (the round's share of the budget),
-    more when they would take less than :data:`MIN_ROUND_SECONDS` (up to what fits ``round_seconds``)."""
+    one) when they would take longer than ``round_seconds`` (the round's share of the budget), more when they would
+    take less than :data:`MIN_ROUND_SECONDS` (up to what fits ``round_seconds``)."""
     step_seconds = max(step_seconds, 1e-9)
     fit = int(round_seconds / step_seconds) if round_seconds is not None else None
-    steps = asked if fit is None else min(asked, max(MIN_TIMED_STEPS, fit))
+    steps = asked if fit is None else min(asked, max(1, fit))
     short = int(MIN_ROUND_SECONDS / step_seconds)
     if short > steps:
         steps = short if fit is None else max(steps, min(short, fit))
@@ -196,8 +196,8 @@ def budget_notes(timings: list[ConfigTiming], settings: TimingSettings, asked_st
         head += f" (fewer rounds than --repeats {settings.repeats}: the first agreed within {SPREAD_NOTE:.0%})"
     if cut:
         head += (
-            f"; {', '.join(t.config for t in cut)} took fewer than --steps {asked_steps} to stay within --budget "
-            f"{budget:.0f} s (at least {MIN_TIMED_STEPS})"
+            f"; {', '.join(t.config for t in cut)} took fewer than --steps {asked_steps} a round to stay within "
+            f"--budget {budget:.0f} s"
         )
     if more:
         head += (
