@@ -42,6 +42,10 @@ Each (model, N, strategy) runs in N fresh processes of its own: fp32 AdamW, :dat
   whole gradient), and zero3's peak was above zero2's for the 10M and 53.6M MLPs (each unit a sixth to a third
   of the model). Over NCCL the flat copy and ``MAX_REDUCING`` (1) unit reducing beside the one computing remain.
 
+Beside each peak: the *live peak* (the peak less what the resident set holds beyond the live tensors after the
+steps, ``resident - held``: library pages and malloc's own) and ``paratrain plan``'s total for the same model,
+AdamW and per-rank batch (:func:`paratrain.tools.plan_memory.memory_rows`), with plan's error against it.
+
 The ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` (:data:`FIXED_MALLOC`): every block of 64 KiB or more is mapped
 on its own and unmapped when freed, so the resident set follows the live bytes and the peak is their high-water
 mark. With glibc's defaults (``--system-malloc``) freed blocks up to 32 MiB are kept for reuse, in one arena per
