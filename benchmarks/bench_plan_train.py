@@ -2,12 +2,18 @@
 
     .venv/bin/python benchmarks/bench_plan_train.py                  # SimpleNet and the 784-1024x3-10 MLP, 3 rounds
     .venv/bin/python benchmarks/bench_plan_train.py --rounds 5 --models simplenet --max-world-size 3
+    .venv/bin/python benchmarks/bench_plan_train.py --threads 1     # OMP_NUM_THREADS=1 for plan and train alike
 
-As a user would, with OMP_NUM_THREADS unset (each command picks its threads as it does for users): each round
-runs `paratrain plan --max-world-size N` on the model (global batch 256, digits60k; plan runs the real strategy at
-the sizes this machine can run, up to its cores, and extrapolates the rest), then `paratrain train` for one epoch
-on one device and with `--strategy ddp --nproc-per-node n` for every size plan measured (the order alternating
-between rounds), and compares plan's speed-up at each measured size with the ratio of train's samples/s there.
+As a user would, with OMP_NUM_THREADS unset (each command picks its threads as it does for users; `--threads N`
+sets it for every process of both, as a user may): each round runs `paratrain plan --max-world-size N` on the
+model (global batch 256, digits60k; plan runs the real strategy at the sizes this machine can run, up to its
+cores, and extrapolates the rest), then, right after it, `paratrain
+train` on one device and with `--strategy ddp --nproc-per-node n` for every size plan measured, each size twice
+in the order ABBA (single, ddp:2, ddp:2, single), so that load drifting during the round hits every size alike;
+train's figure at a size is the mean of its two runs' samples/s. Each train run is one epoch (40 steps for the
+4096-wide MLP; 4 epochs of SimpleNet, whose step is about a millisecond, so that the epoch's first steps and the
+load of one moment weigh less). The round compares plan's speed-up at each measured size with the ratio of
+train's samples/s there; the table gives the median over rounds, the range and how many rounds were within.
 The target is within 20% at every measured size; each row also gives the load average the runs saw and whether
 plan called its own measurements unreliable, since on a shared machine the load, not the model, decides the
 error. Extrapolated sizes are listed with plan's fit error, not compared (this machine cannot run them).
@@ -35,12 +41,15 @@ MODELS = {
     "mlp4096x4": ["--model", "mlp", "--width", "4096", "--depth", "4", "--optimizer", "adamw"],
 }
 TRAIN_STEPS = {"mlp4096x4": 40}  # one epoch of the rest; the 4096-wide MLP's is too long (train stops at N steps)
+TRAIN_EPOCHS = {"simplenet": 4}  # a step of about 1 ms: one epoch (234 steps) is a fraction of a second
 COMMON = ["--batch-size", "256", "--dataset", "digits60k"]
 TARGET = 0.20
 
 
-def _paratrain(*args: str) -> subprocess.CompletedProcess[str]:
+def _paratrain(*args: str, threads: int | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # unset, as a user leaves it
+    if threads is not None:  # --threads: every process of plan and train at this many
+        env["OMP_NUM_THREADS"] = str(threads)
     command = [sys.executable, "-m", "paratrain", *args]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode not in (0, 1):
@@ -48,10 +57,13 @@ def _paratrain(*args: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def _train(name: str, world_size: int, out: Path) -> dict:
+def _train(name: str, world_size: int, out: Path, threads: int | None) -> dict:
     launch = ["--strategy", "ddp", "--nproc-per-node", str(world_size)] if world_size > 1 else []
     limit = ["--max-steps", str(TRAIN_STEPS[name])] if name in TRAIN_STEPS else []
-    _paratrain("train", *MODELS[name], *COMMON, "--epochs", "1", *limit, "--quiet", *launch, "--metrics-out", str(out))
+    epochs = str(TRAIN_EPOCHS.get(name, 1))
+    metrics = ["--metrics-out", str(out)]
+    flags = ["--epochs", epochs, *limit, "--quiet", *launch, *metrics]
+    _paratrain("train", *MODELS[name], *COMMON, *flags, threads=threads)
     return json.loads(out.read_text())
 
 
@@ -60,6 +72,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["simplenet", "mlp1024x3"], choices=sorted(MODELS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-world-size", type=int, default=2, help="plan's --max-world-size")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for every process of plan and train (default: unset, as a user leaves it; 1 keeps a "
+        "loaded machine's spinning OpenMP threads out of the comparison)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -71,24 +90,31 @@ def main() -> None:
                 report_path = Path(tmp) / "plan.json"
                 plan_started = time.perf_counter()
                 plan_args = ["plan", *MODELS[name], *COMMON, "--max-world-size", str(args.max_world_size)]
-                _paratrain(*plan_args, "--quiet", "--report-out", str(report_path))
+                _paratrain(*plan_args, "--quiet", "--report-out", str(report_path), threads=args.threads)
                 plan_seconds = time.perf_counter() - plan_started
                 report = json.loads(report_path.read_text())
                 rows = {r["world_size"]: r for r in report["rows"]}
                 sizes = [n for n, r in rows.items() if r["source"] == "measured"]
-                order = sizes if round_ % 2 == 0 else sizes[::-1]
-                runs = {n: _train(name, n, Path(tmp) / f"m{n}.json") for n in order}
-                single = runs[1]["samples_per_second"]
+                order = sizes + sizes[::-1]  # ABBA: drift during the round hits every size alike
+                train: dict[int, list[dict]] = {}
+                for i, n in enumerate(order):
+                    train.setdefault(n, []).append(_train(name, n, Path(tmp) / f"m{n}-{i}.json", args.threads))
+                speed = {n: statistics.mean(r["samples_per_second"] for r in train[n]) for n in sizes}
                 sizes_out = {}
                 for n in sizes[1:]:
-                    measured = runs[n]["samples_per_second"] / single
+                    measured = speed[n] / speed[1]
                     sizes_out[n] = {
                         "predicted_speedup": rows[n]["speedup"],
                         "measured_speedup": measured,
                         "error": rows[n]["speedup"] / measured - 1,
-                        "samples_per_second": runs[n]["samples_per_second"],
-                        "threads": runs[n]["threads"],
+                        "samples_per_second": speed[n],
+                        "samples_per_second_runs": [r["samples_per_second"] for r in train[n]],
+                        "single_samples_per_second_runs": [r["samples_per_second"] for r in train[1]],
+                        "plan_step_seconds": rows[n]["step_seconds"],
+                        "plan_single_step_seconds": rows[1]["step_seconds"],
+                        "threads": train[n][0]["threads"],
                     }
+                loads = [r["load_average"] for v in train.values() for r in v]
                 entry = {
                     "round": round_,
                     "plan_seconds": plan_seconds,
@@ -101,12 +127,8 @@ def main() -> None:
                     "model_error_before_fit": report["inputs"].get("model_error_before_fit", {}),
                     "plan_reliable": report["reliable"],
                     "plan_unreliable": report["unreliable"],
-                    "single_samples_per_second": single,
-                    "load_average": max(
-                        x
-                        for x in (report["inputs"]["load_average"], *(r["load_average"] for r in runs.values()))
-                        if x is not None
-                    ),
+                    "single_samples_per_second": speed[1],
+                    "load_average": max(x for x in (report["inputs"]["load_average"], *loads) if x is not None),
                     "cores": os.cpu_count(),
                 }
                 results.setdefault(name, []).append(entry)

@@ -42,6 +42,10 @@ Each (model, N, strategy) runs in N fresh processes of its own: fp32 AdamW, :dat
   whole gradient), and zero3's peak was above zero2's for the 10M and 53.6M MLPs (each unit a sixth to a third
   of the model). Over NCCL the flat copy and ``MAX_REDUCING`` (1) unit reducing beside the one computing remain.
 
+Beside each peak: the *live peak* (the peak less what the resident set holds beyond the live tensors after the
+steps, ``resident - held``: library pages and malloc's own) and ``paratrain plan``'s total for the same model,
+AdamW and per-rank batch (:func:`paratrain.tools.plan_memory.memory_rows`), with plan's error against it.
+
 The ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` (:data:`FIXED_MALLOC`): every block of 64 KiB or more is mapped
 on its own and unmapped when freed, so the resident set follows the live bytes and the peak is their high-water
 mark. With glibc's defaults (``--system-malloc``) freed blocks up to 32 MiB are kept for reuse, in one arena per
@@ -177,6 +181,7 @@ def measure(strategy: str, spec: tuple[int, int, int], batch: int, device: torch
         peak = meter.peak()
         del x, y, loader
         held = held_bytes() - before
+        resident = _status_kib("VmRSS") * 1024 - meter.base if meter.method == "VmHWM" else None
         opt.zero_grad()  # set_to_none: what each strategy still holds without gradients
         cleared = held_bytes() - before
         del net, opt
@@ -187,6 +192,7 @@ def measure(strategy: str, spec: tuple[int, int, int], batch: int, device: torch
         "bytes_after_zero_grad": cleared,
         "peak_bytes": peak,
         "peak_method": meter.method,
+        "resident_bytes": resident,  # the resident set after the steps, less before the model (CPU)
     }
 
 
@@ -227,6 +233,26 @@ def _bytes_per_param(whole: int, divided: int) -> str:
     return f"{whole}+{divided}/N" if whole else f"{divided}/N"
 
 
+def planned_bytes(model: str, world: int, backend: str) -> dict[str, int]:
+    """What ``paratrain plan`` predicts each strategy's rank uses at most (its memory table's total), for the
+    benchmark's model, optimizer and per-rank batch."""
+    from paratrain.tools.plan_memory import activation_bytes, memory_rows  # here only: not in the spawned ranks
+
+    net = mlp(*MODELS[model])
+    sample = torch.zeros(1, MODELS[model][0])
+    saved = activation_bytes(net, sample, 4)  # the benchmark's 4 samples per rank
+    rows = memory_rows(net, "adamw", 0.0, [world], lambda _n: saved, backend=backend)
+    return {row.strategy: row.total for row in rows}
+
+
+def live_peak(rank: dict[str, Any]) -> int | None:
+    """The peak less what the resident set holds beyond the live tensors after the steps (torch's library pages,
+    malloc's own): the peak of the bytes a model of the tensors can predict (CPU only)."""
+    if rank.get("resident_bytes") is None:
+        return None
+    return int(rank["peak_bytes"] - (rank["resident_bytes"] - rank["bytes"]))
+
+
 def in_order(peaks: dict[str, int]) -> bool:
     """The target: zero3 <= zero2 <= zero1 <= ddp (each the worst rank's peak)."""
     return peaks["zero3"] <= peaks["zero2"] <= peaks["zero1"] <= peaks["ddp"]
@@ -249,9 +275,11 @@ def main() -> int:
     sizes = range(args.min_world_size, (2 if args.quick else args.max_world_size) + 1)
     rows, results, orders = [], [], []
     unit_plans: dict[str, list[tuple[str, int]]] = {}
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     for name in models:
         for n in sizes:
             peaks = {}
+            planned = planned_bytes(name, n, backend)
             for strategy in STRATEGIES:
                 ranks = run(n, name, strategy)
                 measured = [rank["bytes"] for rank in ranks]
@@ -264,6 +292,9 @@ def main() -> int:
                 worst = max(measured, key=lambda b: abs(b / formula - 1))
                 error = worst / formula - 1
                 peaks[strategy] = max(peak)
+                lives = [live_peak(rank) for rank in ranks]
+                live = max(lives) if None not in lives else None  # type: ignore[type-var]
+                plan_error = planned[strategy] / live - 1 if live else None
                 results.append(
                     {
                         "model": name,
@@ -277,6 +308,10 @@ def main() -> int:
                         "formula_bytes": formula,
                         "error": error,
                         "within": abs(error) <= TOLERANCE,
+                        "resident_bytes_per_rank": [rank.get("resident_bytes") for rank in ranks],
+                        "live_peak_bytes": live,
+                        "plan_bytes": planned[strategy],
+                        "plan_error": plan_error,
                     }
                 )
                 whole, divided = BYTES_PER_PARAM[strategy]
@@ -292,6 +327,9 @@ def main() -> int:
                         _bytes_per_param(whole, divided),
                         f"{error:+.2%}",
                         "yes" if abs(error) <= TOLERANCE else "NO",
+                        f"{live / 2**20:.1f}" if live is not None else "-",
+                        f"{planned[strategy] / 2**20:.1f}",
+                        f"{plan_error:+.1%}" if plan_error is not None else "-",
                     ]
                 )
             if n > 1:
@@ -316,13 +354,18 @@ def main() -> int:
         "bytes/param",
         "error",
         "within 5%",
+        "live peak MiB",
+        "plan MiB",
+        "plan error",
     ]
     print_table(headers, rows)
     print(f"\nheld: every tensor alive in the rank after {STEPS} fp32 AdamW steps (zero_grad before each backward,")
     print("so the last step's gradients are alive), storages counted once; zero_grad: the same after a last")
     print("zero_grad(set_to_none=True). peak: the rank's peak resident set during the steps less its resident set")
     print("before the model was built (CUDA: max_memory_allocated); each the worst rank's. formula (held): ddp 16Ψ,")
-    print("zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N, zero3 16Ψ/N (no unit is gathered between steps)")
+    print("zero1 8Ψ + 8Ψ/N, zero2 4Ψ + 12Ψ/N, zero3 16Ψ/N (no unit is gathered between steps). live peak: the peak")
+    print("less what the resident set held beyond the live tensors after the steps (library pages, malloc's own);")
+    print(f"plan: `paratrain plan`'s total for this model and batch ({backend}); plan error: plan / live peak - 1")
     for name, plan in unit_plans.items():
         listed = ", ".join(f"{unit or '(root)'} {numel / 1e6:.2f}M" for unit, numel in plan)
         print(f"zero3 units of {name} (the default policy): {len(plan)}: {listed}")

@@ -60,10 +60,13 @@ def test_plan_runs_what_it_can_extrapolates_the_rest_and_says_each_phase(tmp_pat
     assert "a longer budget would" in result.stdout
     # progress: one line per phase on stderr (a pipe), numbered out of what is left, then the total
     progress = [line for line in result.stderr.splitlines() if line.startswith("plan: ")]
-    assert progress[0].startswith("plan: running single, repeat 1 of 3 (1 of ")
-    assert any(line.startswith("plan: running ddp:2, repeat 1 of 3 (") for line in progress)
+    assert progress[0].startswith("plan: running single (3 rounds at most) (1 of ")
+    # one launch of ddp:2 for its rounds and the all-reduce timings
+    ddp = "plan: running ddp:2 (3 rounds at most), then the all-reduce between its processes (2 of "
+    assert sum(line.startswith("plan: running ddp:2") for line in progress) == 1
+    assert any(line.startswith(ddp) for line in progress)
     assert any(line.startswith("plan: measuring compute on one device for world sizes 3 (") for line in progress)
-    assert any(line.startswith("plan: measuring the all-reduce between processes (") for line in progress)
+    assert not any("measuring the all-reduce" in line for line in progress)
     last = progress[-2]
     assert last.startswith("plan: measuring memory (") and " of " in last
     count = last.split("(")[1].split(",")[0]
@@ -186,3 +189,20 @@ def test_unreliable_reasons_and_the_verdict_without_a_recommendation():
     assert "(its load average is 3.5 on 2 cores)" in report.verdict()
     assert report.as_dict()["reliable"] is False and report.as_dict()["recommended_world_size"] is None
     assert unreliable_reasons(rows[:1], {(64, 2): 0.1}) == []
+
+
+def test_one_run_per_size_takes_rounds_until_two_agree_each_a_second_of_tiny_steps_within_its_share():
+    from paratrain.parallel import Parallel
+    from paratrain.tools.plan_runs import bench_settings, run_real, run_rounds_in
+
+    config = PlanConfig(**TINY, steps=3, warmup=1, repeats=3)
+    (single,), link = run_real(config, [1], round_seconds=30.0, link_sizes=(4096,))
+    assert link == []  # one process: no all-reduce to time
+    assert single.status == "OK" and len(single.repeat_step_seconds) in (2, 3)
+    assert single.timed_steps > 3  # a step of a fraction of a millisecond: more than --steps, a second's worth
+    settings = bench_settings(config, ["single"])
+    with Parallel("single", "cpu") as par:
+        settled = run_rounds_in(par, settings, {"rounds": 3, "settle": 100.0, "timed_seconds": 0.05})
+        every = run_rounds_in(par, settings, {"rounds": 3, "settle": 0.0, "timed_seconds": 0.05})
+    assert len(settled["runs"]) == 2 and len(every["runs"]) == 3  # any spread agrees within 100x; none within 0
+    assert all(run["warmup"] == 1 and len(run["phases"]["forward"]) == run["steps"] for run in settled["runs"])

@@ -13,7 +13,14 @@ from paratrain.tools.plan_fit import CommFit, MeasuredPoint, compute_factor, fit
 from paratrain.tools.plan_model import ScalingRow, ring_factor
 from paratrain.tools.plan_progress import PhaseProgress
 from paratrain.tools.plan_report import PlanReport
-from paratrain.tools.plan_runs import budget_notes, measured_sizes, run_order, run_words
+from paratrain.tools.plan_runs import (
+    MIN_ROUND_SECONDS,
+    budget_notes,
+    measured_sizes,
+    round_steps,
+    rounds_settled,
+    run_words,
+)
 from paratrain.tools.settings import TimingSettings
 
 # --- the fit ----------------------------------------------------------------------------------------------------------
@@ -64,14 +71,23 @@ def test_measured_sizes_are_the_gpus_or_the_cores_or_what_the_user_allows():
     assert measured_sizes(4, per_node=4, gpus=2, cores=64, measure_up_to=8) == [1, 2]  # no more GPUs than there are
     assert measured_sizes(4, per_node=1, gpus=0, cores=16, measure_up_to=None) == [1]
     assert run_words([1, 2, 3]) == ["single", "ddp:2", "ddp:3"]
-    assert run_order(["single", "ddp:2"], 3) == [
-        ("single", 0),
-        ("ddp:2", 0),
-        ("ddp:2", 1),
-        ("single", 1),
-        ("single", 2),
-        ("ddp:2", 2),
-    ]
+
+
+def test_a_round_takes_the_steps_that_fit_its_share_and_at_least_a_second_of_tiny_ones():
+    assert round_steps(10, 0.050, round_seconds=3.5) == 20  # 10 steps last 0.5 s: a round of about 1 s
+    assert round_steps(10, 0.200, round_seconds=3.5) == 10  # --steps last 2 s: as asked
+    assert round_steps(10, 1.3, round_seconds=3.5) == 2  # --steps would not fit the share: what fits, at least 1
+    assert round_steps(10, 5.0, round_seconds=3.5) == 1
+    assert round_steps(10, 0.001, round_seconds=0.5) == 500  # tiny steps: a second's worth, within the share
+    assert round_steps(10, 0.001, round_seconds=None) == int(MIN_ROUND_SECONDS / 0.001)
+    assert round_steps(10, 0.5, round_seconds=None) == 10
+
+
+def test_rounds_settle_once_two_or_more_agree():
+    assert not rounds_settled([0.100], 0.10)  # one round says nothing of the next
+    assert rounds_settled([0.100, 0.105], 0.10)
+    assert not rounds_settled([0.100, 0.130], 0.10)
+    assert rounds_settled([0.100, 0.130, 0.104, 0.101, 0.102], 0.35) and not rounds_settled([0.1, 0.13, 0.1], 0.2)
 
 
 def _rows() -> list[ScalingRow]:
@@ -109,12 +125,16 @@ def test_the_budget_notes_say_whether_a_longer_budget_would_change_the_answer():
     settings = TimingSettings(warmup=3, repeats=3)
     steady = [_timing("single", 1, [0.100, 0.102], 3), _timing("ddp:2", 2, [0.080, 0.081], 3)]
     notes = budget_notes(steady, settings, asked_steps=10, budget=40.0)
-    assert notes[0].startswith("measured: 2 repeat(s) of single 3, ddp:2 3 timed steps (not 3: the first 2 agreed")
-    assert "fewer than --steps 10 to stay within --budget 40 s" in notes[0]
+    assert notes[0].startswith(
+        "measured: one run per size, rounds x timed steps after the warm-up: single 2 x 3, ddp:2 2 x 3 (fewer rounds "
+        "than --repeats 3: the first agreed within 10%)"
+    )
+    assert "single, ddp:2 took fewer than --steps 10 a round to stay within --budget 40 s" in notes[0]
     assert notes[1].startswith("a longer budget would not change the answer by much")
-    moving = [_timing("single", 1, [0.100, 0.130, 0.110], 10), _timing("ddp:2", 2, [0.080, 0.081, 0.080], 10)]
+    moving = [_timing("single", 1, [0.100, 0.130, 0.110], 10), _timing("ddp:2", 2, [0.080, 0.081, 0.080], 400)]
     notes = budget_notes(moving, settings, asked_steps=10, budget=40.0)
-    assert "--budget" not in notes[0]  # not cut
+    assert "--budget" not in notes[0] and "fewer rounds" not in notes[0]  # not cut, every round run
+    assert "; ddp:2 took more than --steps 10, so that a round lasts about 1 s" in notes[0]
     assert notes[1].startswith("a longer budget would likely change the answer: the repeats' medians spread (single")
     assert "ddp:2" not in notes[1]
 

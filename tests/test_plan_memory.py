@@ -9,11 +9,18 @@ from torch.nn import functional as F
 
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.errors import ConfigError
-from paratrain.sharded.fully_sharded import FullyShardedDataParallel
+from paratrain.sharded.fully_sharded import MAX_REDUCING, FullyShardedDataParallel
 from paratrain.sharded.guard import ShardedGradient
 from paratrain.sharded.optimizer import shard_optimizer
 from paratrain.sharded.zero import ZeroDataParallel
-from paratrain.tools.plan_memory import activation_bytes, memory_rows, parse_bytes, smallest_fit
+from paratrain.tools.plan_memory import (
+    Zero3Unit,
+    activation_bytes,
+    memory_rows,
+    parse_bytes,
+    smallest_fit,
+    zero3_backward_peak,
+)
 
 
 def _mlp(width: int = 512) -> nn.Module:
@@ -119,6 +126,34 @@ def test_bad_sizes_and_the_fewest_devices():
     # 12Ψ: ddp never (16Ψ); zero1 from N=3 (8Ψ + 8Ψ/3); zero2 from N=4 (4Ψ + 12Ψ/4, and its three buckets in
     # flight while backward runs, 4Ψ for a model this small)
     fit = smallest_fit(rows, int(12 * psi))
-    # zero3 (16Ψ/N) from N=4 only: in flight while backward runs it holds two of its three units' weights whole
-    # and two units' whole gradients (the one filling, the one reducing: MAX_REDUCING + 1)
-    assert fit == {"ddp": None, "zero1": 3, "zero2": 4, "zero3": 4}
+    # zero3 (16Ψ/N) from N=3: its backward's peak holds, beyond its parts, the root's weights, two units' whole
+    # weights (the one computing, the one prefetched) and one unit's whole gradient (gloo); the largest unit is
+    # most of this model, so that does not shrink with N
+    assert fit == {"ddp": None, "zero1": 3, "zero2": 4, "zero3": 3}
+
+
+def test_zero3s_backward_peak_follows_the_units_in_reverse_with_the_gradient_parts_already_reduced():
+    """Four units of 100 bytes (50 per rank at N=2) and a root of 10: the root's backward first, then the units
+    last to first; at each, the parts reduced so far, the root's weights, the unit's and the next one's (prefetched),
+    the unit's whole gradient and the one before it less its part (its reduce in flight); on NCCL also the unit's
+    flat copy of its gradient."""
+    units = [Zero3Unit(10, 5, root=True), *(Zero3Unit(100, 50) for _ in range(4))]
+    # the root: 10 + 100 (prefetched) + 10; then done 5, 55, 105, 155 beside 10 + 100 + 100 + 100 + the one before
+    # less its part (5, then 50), the last with no next
+    peaks = [120, 5 + 310 + 5, 55 + 310 + 50, 105 + 310 + 50, 155 + 210 + 50]
+    assert MAX_REDUCING == 1 and zero3_backward_peak(units, "gloo") == max(peaks) == 465
+    assert zero3_backward_peak(units, "nccl") == 465 + 100
+    frozen = [Zero3Unit(100, 50, trains=False), Zero3Unit(100, 50)]  # no gradient of its own, none reduced
+    assert zero3_backward_peak(frozen, "gloo") == max(100 + 100 + 100, 50 + 100 + 50)
+
+
+def test_zero3_in_flight_is_its_backward_peak_beyond_its_gradient_parts():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(4)))  # four units of 262,656 parameters, no root
+    unit = 262_656 * 4
+    (gloo,) = (r for r in memory_rows(model, "adamw", 0.0, [2], lambda n: 0, backend="gloo") if r.strategy == "zero3")
+    (nccl,) = (r for r in memory_rows(model, "adamw", 0.0, [2], lambda n: 0, backend="nccl") if r.strategy == "zero3")
+    # the peak at the third unit: two parts reduced, two units' weights, one whole gradient and the half of the one
+    # before still reducing; less the four parts
+    assert gloo.gradients == 4 * unit // 2 and gloo.in_flight == (unit + 3 * unit + unit // 2) - 2 * unit
+    assert nccl.in_flight == gloo.in_flight + unit and nccl.model_states == gloo.model_states

@@ -46,7 +46,18 @@ from paratrain.tools.workload import Workload, build_optimizer, endless
 from paratrain.training.logs import install_hint
 from paratrain.training.threads import MachineLoad, choose_threads, using_threads
 
-__all__ = ["MIN_TIMED_STEPS", "PHASES", "BenchConfig", "BenchReport", "ConfigTiming", "bench", "time_configs"]
+__all__ = [
+    "MIN_TIMED_STEPS",
+    "PHASES",
+    "BenchConfig",
+    "BenchReport",
+    "ConfigTiming",
+    "TimedSteps",
+    "agreed",
+    "bench",
+    "summarise_timings",
+    "time_configs",
+]
 
 PHASES = ("data", "forward", "backward", "optimizer")
 MIN_TIMED_STEPS = 3  # a run cut short by plan's budget still times this many steps (a median of 3)
@@ -106,25 +117,30 @@ def run_in(par: Parallel, settings: BenchConfig, extra: dict[str, Any]) -> dict[
         return _timed_steps(par, settings, extra.get("timed_seconds"))
 
 
-def _timed_steps(par: Parallel, settings: BenchConfig, timed_seconds: float | None = None) -> dict[str, Any]:
-    work = Workload.load(settings)
-    model = work.build_model()
-    optimizer = build_optimizer(settings, model.parameters())
-    model, optimizer, loader = par.prepare(model, optimizer, work.loader())
-    sync = _synchronizer(par.device)
-    batches = endless(loader)
-    phases: dict[str, list[float]] = {name: [] for name in PHASES}
-    warmup, steps = settings.warmup, settings.steps
-    i = 0
-    while i < warmup + steps:
+class TimedSteps:
+    """The run's job prepared under ``par``, one optimizer step at a time, each phase timed: bench's loop, and
+    plan's (:func:`paratrain.tools.plan_runs.run_rounds_in`)."""
+
+    def __init__(self, par: Parallel, settings: RunSettings) -> None:
+        self.par, self.settings = par, settings
+        self.work = Workload.load(settings)
+        model = self.work.build_model()
+        optimizer = build_optimizer(settings, model.parameters())
+        self.model, self.optimizer, loader = par.prepare(model, optimizer, self.work.loader())
+        self.sync = _synchronizer(par.device)
+        self.batches = endless(loader)
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step; the seconds of each of :data:`PHASES`."""
+        par, model, sync = self.par, self.model, self.sync
         t0 = time.perf_counter()
-        batch = next(batches)
+        batch = next(self.batches)
         sync()
         spent = dict.fromkeys(PHASES, 0.0)
         spent["data"] = time.perf_counter() - t0
-        for inputs, targets in par.accumulate(model, batch, steps=settings.accumulate):
+        for inputs, targets in par.accumulate(model, batch, steps=self.settings.accumulate):
             t1 = time.perf_counter()
-            loss = work.loss(model(inputs), targets)
+            loss = self.work.loss(model(inputs), targets)
             sync()
             t2 = time.perf_counter()
             par.backward(loss)  # under ddp, on the last micro-batch: returns when every bucket is averaged
@@ -132,21 +148,31 @@ def _timed_steps(par: Parallel, settings: BenchConfig, timed_seconds: float | No
             spent["forward"] += t2 - t1
             spent["backward"] += time.perf_counter() - t2
         t3 = time.perf_counter()
-        if settings.clip_grad_norm is not None:
-            par.clip_grad_norm_(model, settings.clip_grad_norm)
-        par.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        if self.settings.clip_grad_norm is not None:
+            par.clip_grad_norm_(model, self.settings.clip_grad_norm)
+        par.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
         sync()
         spent["optimizer"] = time.perf_counter() - t3
+        return spent
+
+
+def _timed_steps(par: Parallel, settings: BenchConfig, timed_seconds: float | None = None) -> dict[str, Any]:
+    loop = TimedSteps(par, settings)
+    phases: dict[str, list[float]] = {name: [] for name in PHASES}
+    warmup, steps = settings.warmup, settings.steps
+    i = 0
+    while i < warmup + steps:
+        spent = loop.step()
         if i >= warmup:
             for name in PHASES:
                 phases[name].append(spent[name])
         if timed_seconds is not None and i in (0, warmup):
             seconds = max(sum(spent.values()), 1e-9)
             if i == warmup:  # the first timed step: how many fit the budget
-                steps = _agreed(par, min(steps, max(MIN_TIMED_STEPS, int(timed_seconds / seconds))))
+                steps = agreed(par, min(steps, max(MIN_TIMED_STEPS, int(timed_seconds / seconds))))
             else:  # the first step (an upper bound: it allocates): warm-up beyond one step within half the budget
-                warmup = _agreed(par, min(warmup, max(1, int(timed_seconds / 2 / seconds))))
+                warmup = agreed(par, min(warmup, max(1, int(timed_seconds / 2 / seconds))))
         i += 1
     return {
         "phases": phases,
@@ -157,7 +183,7 @@ def _timed_steps(par: Parallel, settings: BenchConfig, timed_seconds: float | No
     }
 
 
-def _agreed(par: Parallel, count: int) -> int:
+def agreed(par: Parallel, count: int) -> int:
     """The smallest of every rank's ``count``: the ranks must run the same steps (each has collectives)."""
     return int(par.all_reduce(torch.tensor([float(count)], device=par.device), "min").item())
 
@@ -353,6 +379,14 @@ def time_configs(
                     errors[run.word] = str(exc)
             if settle is not None and repeat >= 1 and all(_spread(runs[w]) <= settle for w in runs if w not in errors):
                 break
+    return summarise_timings(configs, runs, errors, config.batch_size)
+
+
+def summarise_timings(
+    configs: list[RunConfig], runs: dict[str, list[dict[str, Any]]], errors: dict[str, str], batch_size: int
+) -> list[ConfigTiming]:
+    """One timing per configuration from its runs (each a dict of phase lists), judged, with speed-up and efficiency
+    against the first OK ``single``; SKIPPED where it cannot run here, ERROR with its message in ``errors``."""
     timings = []
     for c in configs:
         why_not = unavailable_reason(c)
@@ -361,7 +395,7 @@ def time_configs(
         elif c.word in errors:
             timings.append(ConfigTiming(c.word, c.strategy, c.device_count, "ERROR", errors[c.word]))
         else:
-            timings.append(_summarise(c, runs[c.word], config.batch_size))
+            timings.append(_summarise(c, runs[c.word], batch_size))
     base = next((t for t in timings if t.strategy == "single" and t.status == "OK"), None)
     for t in timings:
         if t.status == "OK" and base is not None:

@@ -6,15 +6,17 @@
     paratrain plan --model mlp --width 8192 --optimizer adamw --device-memory 80GB   # will it fit, and on how many
 
 At the world sizes this machine can run (its GPUs, one per process, or up to its cores on the CPU, or
-``--measure-up-to``), plan runs the user's job for real for a few steps, as ``paratrain train`` would run it
-(:mod:`paratrain.tools.plan_runs`: single in this process, ``ddp:N`` in launched workers, each at train's
-threads, timed over the steps after the warm-up): those rows are "measured", and the measurement is the
-answer. Beyond them the step is the model's (:mod:`paratrain.tools.plan_model`: compute measured on one device at
-the per-device batch each N implies, when each gradient becomes ready, the buckets our DDP would build, the
-all-reduce timed between real processes, or given for links it cannot measure), fitted to the measured runs
-(:mod:`paratrain.tools.plan_fit`): those rows are "extrapolated", and the table gives the fit's error at the
-measured sizes, with the model's error before the fit. ``--budget`` bounds the measured steps' time; the report
-says when a longer one would change the answer. Each phase prints a line on stderr (``--quiet``: none).
+``--measure-up-to``), plan runs the user's job for real, as ``paratrain train`` would run it
+(:mod:`paratrain.tools.plan_runs`: single in this process, ``ddp:N`` in one launch of N workers, each at train's
+threads, timed in rounds after the warm-up until two rounds agree; the largest size's workers then time the
+all-reduce the model needs): those rows are "measured", and the measurement is the answer. Beyond them the step
+is the model's (:mod:`paratrain.tools.plan_model`: compute measured on one device at the per-device batch each N
+implies, when each gradient becomes ready, the buckets our DDP would build, the all-reduce timed between real
+processes, or given for links it cannot measure), fitted to the measured runs (:mod:`paratrain.tools.plan_fit`):
+those rows are "extrapolated", and the table gives the fit's error at the measured sizes, with the model's error
+before the fit. ``--budget`` bounds the measured steps' time (a round of tiny steps still lasts about a second);
+the report says when a longer one would change the answer. Each phase prints a line on stderr (``--quiet``:
+none).
 ``--validate`` also runs ``bench`` for what this machine can run and prints the prediction error of each.
 """
 
@@ -52,7 +54,7 @@ from paratrain.tools.plan_model import (
 )
 from paratrain.tools.plan_progress import PhaseProgress
 from paratrain.tools.plan_report import PlanReport, describe_assumptions, unreliable_reasons
-from paratrain.tools.plan_runs import budget_notes, measured_sizes, run_order, run_real, run_words
+from paratrain.tools.plan_runs import budget_notes, measured_sizes, run_real, run_words
 from paratrain.tools.plan_validate import validate_plan, validation_configs
 from paratrain.tools.report import write_json
 from paratrain.tools.settings import RunSettings, TimingSettings, settings_from
@@ -174,30 +176,29 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         BucketSpec(b.indices, b.nbytes) for b in assign_buckets(params, DDP_BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES)
     ]
     sizes = measured_sizes(config.max_world_size, per_node, len(gpus), cores, config.measure_up_to)
+    gpus_short = bool(gpus) and len(gpus) < 2  # one GPU: no all-reduce between GPUs to time here
     beyond = [n for n in range(1, config.max_world_size + 1) if n not in sizes]
     words = run_words(sizes)
-    order = run_order(words, config.repeats)
-    phases = [f"running {w}, repeat {r + 1} of {config.repeats}" for w, r in order]
-    progress = PhaseProgress(phases, enabled=not config.quiet)
+    probes = bool(beyond) and not gpus_short  # the largest size's processes time the all-reduce too
+    running = {w: _running(w, config.repeats, probes and w == words[-1] and w != "single") for w in words}
+    progress = PhaseProgress(list(running.values()), enabled=not config.quiet)
     if beyond:
         progress.add(f"measuring compute on one device for world sizes {_span(beyond)}")
-        progress.add("measuring the all-reduce between processes")
     progress.add("measuring memory")
     if config.validate:
         progress.add("validating against bench")
     load_before = MachineLoad.now()
 
-    # the world sizes this machine can run: the real strategy, the user's job, timed over steady-state steps
-    share = config.budget * (RUN_SHARE if beyond else 1.0) / max(1, len(order))
-    timings = run_real(
+    # the world sizes this machine can run: the real strategy, the user's job, timed over steady-state steps; the
+    # largest ddp size's processes also time the all-reduce when the model extrapolates (no launch of their own)
+    share = config.budget * (RUN_SHARE if beyond else 1.0) / max(1, len(words) * config.repeats)
+    timings, link_samples = run_real(
         config,
         sizes,
         share,
-        on_run=lambda run, repeat: progress.start(f"running {run.word}, repeat {repeat + 1} of {config.repeats}"),
+        on_run=lambda run: progress.start(running[run.word]),
+        link_sizes=_probe_sizes(buckets) if probes else (),
     )
-    for word, repeat in order:  # the repeats that more would not have changed: not run
-        if any(t.config == word and len(t.repeat_step_seconds) <= repeat for t in timings):
-            progress.drop(f"running {word}, repeat {repeat + 1} of {config.repeats}")
     failed = [t for t in timings if t.status != "OK"]
     if failed:
         raise ConfigError(
@@ -211,7 +212,6 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     raw_steps: dict[int, StepPrediction] = {}
     factors: dict[int, float] = {}
     moved: dict[tuple[int, int], float] = {}
-    link_samples: list[list[float]] = []
     local_link: Link | None = None
     fit = CommFit()
     points: list[MeasuredPoint] = []
@@ -226,12 +226,13 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
         profiles, moved = measure_profiles(
             work, device, [(b, t) for b, t, _ in shapes.values()], steps, min(config.warmup, 1), rounds
         )
-        progress.start("measuring the all-reduce between processes")
         probe = max(calibrate) if max(calibrate) > 1 else min(2, local_max)
-        if probe >= 2 and not (gpus and len(gpus) < 2):
-            link_samples = measure_link(probe, _probe_sizes(buckets), {}, config.run_timeout)["samples"]
+        if probe >= 2 and not gpus_short:
+            if not link_samples:  # no ddp size was measured here: a launch of its own
+                progress.start("measuring the all-reduce between processes")
+                link_samples = measure_link(probe, _probe_sizes(buckets), {}, config.run_timeout)["samples"]
             local_link = fit_link([(int(m), int(b), float(t)) for m, b, t in link_samples if int(m) == probe])
-        elif gpus and len(gpus) < 2 and local_max >= 2:
+        elif gpus_short and local_max >= 2:
             if remote_link is None:
                 raise ConfigError(
                     "this machine has one GPU, so the all-reduce between GPUs cannot be measured here; give "
@@ -323,7 +324,8 @@ def plan(config: PlanConfig | None = None, /, **settings: Any) -> PlanReport:
     report.budget = budget_notes(timings, config, config.steps, config.budget)
     progress.start("measuring memory")
     sample = work.sample_batch(1)[0].to(device)
-    report.memory = measure_memory(model.to(device), sample, config.optimizer, config.momentum, per_device)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # the backend a run here would use; zero3 reduces by it
+    report.memory = measure_memory(model.to(device), sample, config.optimizer, config.momentum, per_device, backend)
     if config.validate:
         progress.start("validating against bench")
         report.validation = validate_plan(
@@ -353,9 +355,14 @@ def _shape(
 
 
 def _profile_steps(config: PlanConfig, step_seconds: float, runs: int, seconds: float) -> int:
-    """Timed steps per round of the one-device profiles: ``--steps``, or fewer (at least 2) to fit ``seconds``
-    (``runs``: shapes x rounds, each step about ``step_seconds``)."""
-    return max(2, min(config.steps, int(seconds / (max(step_seconds, 1e-6) * runs))))
+    """Timed steps per round of the one-device profiles: ``--steps``, or fewer (at least 1: the rounds give a
+    median of two or more) to fit ``seconds`` (``runs``: shapes x rounds, each step about ``step_seconds``)."""
+    return max(1, min(config.steps, int(seconds / (max(step_seconds, 1e-6) * runs))))
+
+
+def _running(word: str, repeats: int, probe: bool) -> str:
+    then = ", then the all-reduce between its processes" if probe else ""
+    return f"running {word} ({repeats} round{'s' * (repeats != 1)} at most){then}"
 
 
 def _span(sizes: list[int]) -> str:

@@ -12,8 +12,13 @@ Model states are counted exactly as the strategies allocate them, from the same 
   each updated tensor's step count;
 - zero2 also holds up to ``MAX_IN_FLIGHT + 1`` whole bucket buffers while backward runs ("in flight");
 - zero3 holds its part of every unit's weights, gradients and optimizer state (:mod:`paratrain.sharded.units`'s
-  default policy), and in flight the root's whole weights, the two largest other units' (one computing, one
-  prefetched) and ``MAX_REDUCING + 1`` units' whole gradients.
+  default policy). Its peak is in backward, which is followed unit by unit (the root first, then the units in
+  the reverse of their order in the model): at each unit, its parts of the gradients of the units already
+  reduced (``zero_grad`` dropped them all before), the root's whole weights, the unit's and the next one's
+  (prefetched), the unit's whole gradient, and the :data:`MAX_REDUCING` units' before it less their parts (their
+  reduce in flight); on NCCL also the unit's flat copy of its gradient (on gloo zero3 all-reduces autograd's own
+  in place). "in flight" is that peak less the whole of its gradient parts. Against the live peak
+  ``benchmarks/bench_zero_memory.py`` measures on gloo (the worst rank), within -6% .. +7% (benchmarks/README.md).
 
 Activations are measured: the bytes a forward at each per-device batch saves for backward, parameters aside.
 """
@@ -38,6 +43,7 @@ from paratrain.sharded.units import plan_units
 __all__ = [
     "MEMORY_STRATEGIES",
     "MemoryRow",
+    "Zero3Unit",
     "activation_bytes",
     "check_bytes",
     "measure_memory",
@@ -46,6 +52,7 @@ __all__ = [
     "render_memory",
     "smallest_fit",
     "state_slots",
+    "zero3_backward_peak",
 ]
 
 MEMORY_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -62,7 +69,7 @@ class MemoryRow:
     parameters: int
     gradients: int
     optimizer: int
-    in_flight: int  # zero2: whole bucket buffers held while backward runs; zero3: whole units
+    in_flight: int  # zero2: whole bucket buffers held while backward runs; zero3: its backward's peak beyond its parts
     activations: int
 
     @property
@@ -112,8 +119,10 @@ def memory_rows(
     world_sizes: Iterable[int],
     activations: Callable[[int], int],
     bucket_cap_bytes: int = 25 * 2**20,
+    backend: str = "gloo",
 ) -> list[MemoryRow]:
-    """Every strategy's bytes per device at every world size; ``activations(n)`` gives the measured activations."""
+    """Every strategy's bytes per device at every world size; ``activations(n)`` gives the measured activations,
+    ``backend`` (gloo or nccl) how zero3 reduces its gradients (:func:`zero3_backward_peak`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     buckets = assign_buckets(params, bucket_cap_bytes, FIRST_BUCKET_BYTES)
@@ -125,7 +134,7 @@ def memory_rows(
         act = activations(n)
         for strategy in MEMORY_STRATEGIES:
             if strategy == "zero3":
-                rows.append(_zero3_row(model, n, slots, has_step, act))
+                rows.append(_zero3_row(model, n, slots, has_step, act, backend))
                 continue
             parameters = gradients = state = in_flight = 0
             for bucket in buckets:
@@ -148,11 +157,37 @@ def memory_rows(
     return rows
 
 
-def _zero3_row(model: nn.Module, n: int, slots: int, has_step: bool, activations: int) -> MemoryRow:
+@dataclass(frozen=True)
+class Zero3Unit:
+    """One zero3 unit's bytes at a world size: whole (gathered, or its whole gradient) and this rank's part."""
+
+    whole: int
+    part: int
+    trains: bool = True  # it has gradients
+    root: bool = False
+
+
+def zero3_backward_peak(units: Sequence[Zero3Unit], backend: str) -> int:
+    """The most bytes beyond the weights' and optimizer state's parts that zero3 holds while backward runs
+    (module docstring): units in the model's order (the root anywhere; its backward comes first)."""
+    root = next((u for u in units if u.root), None)
+    order = ([root] if root else []) + [u for u in reversed(units) if not u.root]
+    copies = 1 if backend == "gloo" else 2  # autograd's gradient, and elsewhere the flat buffer it is copied into
+    peak = done = 0
+    for j, unit in enumerate(order):
+        weights = (root.whole if root else 0) + (unit.whole if unit is not root else 0)
+        weights += order[j + 1].whole if j + 1 < len(order) else 0  # prefetched
+        beside = [u for u in order[max(0, j - MAX_REDUCING) : j] if u.trains]  # their reduce in flight
+        grads = (copies * unit.whole if unit.trains else 0) + sum(u.whole - u.part for u in beside)
+        peak = max(peak, done + weights + grads)
+        done += unit.part if unit.trains else 0
+    return peak
+
+
+def _zero3_row(model: nn.Module, n: int, slots: int, has_step: bool, activations: int, backend: str) -> MemoryRow:
     """zero3's bytes on rank 0 at world size ``n``, from the units its default policy makes."""
     parameters = gradients = state = 0
-    weights, grads = [], []
-    root = 0
+    units = []
     for k, unit in enumerate(plan_units(model)):
         layout = unit_layout(k, [p.numel() for p in unit.params], unit.params[0].dtype, torch.device("cpu"), n)
         size = _itemsize(unit.params[0].dtype)
@@ -162,12 +197,8 @@ def _zero3_row(model: nn.Module, n: int, slots: int, has_step: bool, activations
         state += slots * sum(piece.length for piece in mine) * size + 4 * has_step * len(mine)
         if trains:
             gradients += layout.part * size
-            grads.append(layout.padded * size)
-        if unit.name == "":
-            root = layout.padded * size
-        else:
-            weights.append(layout.padded * size)
-    in_flight = root + sum(sorted(weights, reverse=True)[:2]) + sum(sorted(grads, reverse=True)[: MAX_REDUCING + 1])
+        units.append(Zero3Unit(layout.padded * size, layout.part * size, bool(trains), unit.name == ""))
+    in_flight = zero3_backward_peak(units, backend) - gradients
     return MemoryRow("zero3", n, parameters, gradients, state, in_flight, activations)
 
 
@@ -243,8 +274,13 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def measure_memory(
-    model: nn.Module, sample: torch.Tensor, optimizer: str, momentum: float, per_device: dict[int, int]
+    model: nn.Module,
+    sample: torch.Tensor,
+    optimizer: str,
+    momentum: float,
+    per_device: dict[int, int],
+    backend: str = "gloo",
 ) -> list[MemoryRow]:
     """:func:`memory_rows` at each world size of ``per_device`` (its per-device batch), activations measured."""
     saved = {batch: activation_bytes(model, sample, batch) for batch in sorted(set(per_device.values()))}
-    return memory_rows(model, optimizer, momentum, sorted(per_device), lambda n: saved[per_device[n]])
+    return memory_rows(model, optimizer, momentum, sorted(per_device), lambda n: saved[per_device[n]], backend=backend)
