@@ -39,6 +39,13 @@ def test_two_ranks_train_bit_for_bit_as_ddp(two, config):
         assert r["single_rel"] < (0.1 if "bf16" in config else 1e-3)
 
 
+def test_large_gradients_are_all_reduced_as_autograd_made_them_at_two_ranks(two):
+    for rank in two:
+        # the MLP's 512x512 weights: divided in place and all-reduced, no copy into a bucket buffer (and the runs
+        # above are ddp's bit for bit with it); a gradient another tensor shares is copied instead
+        assert rank["direct"]["owned"] > 0, rank["direct"]
+
+
 def test_gradients_add_up_across_synchronised_backwards_as_under_ddp(two):
     """backward(); backward(); step(), every backward reducing: zero2 adds as DDP's .grad does, bit for bit."""
     for rank in two:

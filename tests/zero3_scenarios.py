@@ -303,7 +303,7 @@ def split_backwards(rank: int, world: int) -> dict[str, Any]:
     (no_sync, then a whole kept gradient: the flat path) and clipping."""
     split: list[str] = []
     owned: list[bool] = []
-    add_split, is_owned = flat_unit.ShardedUnit.add_split, flat_unit._owned
+    add_split, is_owned = flat_unit.ShardedUnit.add_split, flat_unit.owned
 
     def counting_add_split(unit: flat_unit.ShardedUnit) -> None:
         assert unit.grad_full is None  # no whole flat gradient beside autograd's
@@ -316,7 +316,7 @@ def split_backwards(rank: int, world: int) -> dict[str, Any]:
         return found
 
     flat_unit.ShardedUnit.add_split = counting_add_split  # type: ignore[method-assign]
-    flat_unit._owned = recording_owned
+    flat_unit.owned = recording_owned
     try:
         found: dict[str, Any] = {}
         for name in ("mlp", "joined"):
@@ -329,7 +329,7 @@ def split_backwards(rank: int, world: int) -> dict[str, Any]:
             found[f"{name}, accumulate 2, clip"] = {"split": list(split), **compare(runs, "ddp", "zero3")}
     finally:
         flat_unit.ShardedUnit.add_split = add_split  # type: ignore[method-assign]
-        flat_unit._owned = is_owned
+        flat_unit.owned = is_owned
     return found
 
 

@@ -546,10 +546,33 @@ def peak_memory(rank: int, world: int) -> dict[str, Any] | None:
     return found
 
 
+@contextlib.contextmanager
+def counting_direct(found: dict[str, int]) -> Any:
+    """Count zero2's large gradients all-reduced as autograd made them (``owned``) and those it copied instead."""
+    from paratrain.sharded import reducer
+
+    real = reducer.owned
+
+    def counted(grad: torch.Tensor, holders: int) -> bool:
+        verdict = real(grad, holders + 1)  # this frame's argument too
+        found["owned" if verdict else "copied"] += 1
+        return verdict
+
+    reducer.owned = counted
+    try:
+        yield
+    finally:
+        reducer.owned = real
+
+
 def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Every scenario that leaves the process group usable, in one set of processes (start-up is slow)."""
+    direct = {"owned": 0, "copied": 0}
+    with counting_direct(direct):
+        same = exactness(rank, world)
     return {
-        "exactness": exactness(rank, world),
+        "exactness": same,
+        "direct": direct,
         "optimizer_surface": optimizer_surface(rank, world),
         "accumulation": accumulation(rank, world),
         "gradients_and_overflow": gradients_and_overflow(rank, world),

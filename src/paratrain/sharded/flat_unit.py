@@ -14,7 +14,6 @@ write fails.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from paratrain.comm.collectives import CollectiveMonitor
 from paratrain.comm.process_groups import no_python_in_work
 from paratrain.ddp.buckets import Bucket
 from paratrain.errors import DistributedError
+from paratrain.sharded.owned import owned
 from paratrain.sharded.partition import BucketShards, Piece, shard_bucket
 from paratrain.sharded.reducer import all_gather_into
 from paratrain.sharded.units import UnitPlan
@@ -34,27 +34,6 @@ __all__ = ["DIRECT_MIN_NUMEL", "ShardedUnit", "unit_layout"]
 # second whole copy of most of the unit's gradient. Below 64Ki elements (256 KiB in fp32) the copy saved is small
 # next to a collective's fixed cost, and the unit's small parameters share one flat buffer (one collective)
 DIRECT_MIN_NUMEL = 1 << 16
-
-
-def _owned(grad: torch.Tensor, holders: int) -> bool:
-    """Whether ``grad``'s bytes are reachable through ``grad`` alone (so dividing it in place changes nothing else),
-    ``holders`` being the Python references to it that the callers hold.
-
-    After AccumulateGrad (torch/csrc/autograd/functions/accumulate_grad.{h,cpp}) a parameter's first gradient is
-    autograd's own tensor, stolen when nothing else referred to it, or else a clone; the engine's reference is gone
-    by the time the post-accumulate hook runs. A stolen tensor can still be a view of a larger buffer (cat's
-    backward gives narrow views of one gradient) or be held elsewhere; then it is not ours to write."""
-    if grad.requires_grad or not grad.is_contiguous() or grad.storage_offset() != 0:
-        return False
-    storage = grad.untyped_storage()
-    if storage.nbytes() != grad.numel() * grad.element_size():
-        return False
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False
-    # the storage: the tensor's reference and `storage`'s; the tensor: the callers', this function's argument and
-    # getrefcount's (a reference held anywhere else adds one)
-    return bool(use_count(storage._cdata) == 2) and sys.getrefcount(grad) <= holders + 2
 
 
 def unit_layout(
@@ -223,7 +202,7 @@ class ShardedUnit:
             assert self.grad_small is not None, "open_grad() comes first"
             slot = self.grad_small.narrow(0, self.small_offsets[i], p.numel()).view_as(p)
         # holders: take_grad's local and this method's argument
-        elif grad.dtype == self.dtype and grad.device == self.device and _owned(grad, holders=2):
+        elif grad.dtype == self.dtype and grad.device == self.device and owned(grad, holders=2):
             self.direct[i] = grad.div_(self.world_size)
             return
         else:

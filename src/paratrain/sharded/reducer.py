@@ -13,8 +13,13 @@ DDP reducer's (:mod:`paratrain.ddp.reducer`, which calls this collective as it c
   unfinished at a time (it is waited for before another buffer is taken: two buffers at most), so the full
   gradient never exists at once;
 - on CPU (gloo) a bucket is all-reduced in place and this rank's part copied out: gloo's own reduce-scatter is that
-  all-reduce on a clone of the whole bucket, which its Work holds, so every bucket's clone lived through the step
-  and the next backward, and zero2's peak was above zero1's and ddp's (issue 25); the sums are the same numbers;
+  all-reduce on a clone of the whole bucket, which its Work holds, so every bucket's clone would live through the
+  step and the next backward, above zero1's and ddp's peak; the sums are the same numbers;
+- on gloo at two ranks a parameter of :data:`DIRECT_MIN_NUMEL` elements or more is all-reduced as autograd made its
+  gradient, divided in place (where :func:`~paratrain.sharded.owned.owned` shows nothing else refers to it; else a
+  copy), and the bucket's small parameters share a buffer of their own: no copy of the whole gradient into fresh
+  pages every backward. A sum of two is the same in any order, so the numbers are the flat buffer's; at three
+  ranks and more the one flat buffer stays, as its layout sums in DDP's order;
 - each parameter's gradient is copied in (divided by the world size, as DDP divides it) and its ``.grad`` freed
   at once; inside ``no_sync`` gradients accumulate in ``.grad`` as under DDP, and the synchronising backward
   copies the sum;
@@ -48,13 +53,18 @@ from paratrain.ddp.buckets import Bucket
 from paratrain.errors import DistributedError
 from paratrain.sharded.grad_norm import tensor_norm
 from paratrain.sharded.guard import GradientGuard
+from paratrain.sharded.owned import owned
 from paratrain.sharded.partition import BucketShards, shard_bucket
 
-__all__ = ["MAX_IN_FLIGHT", "ReduceScatter", "all_gather_into", "reduce_scatter_into"]
+__all__ = ["DIRECT_MIN_NUMEL", "MAX_IN_FLIGHT", "ReduceScatter", "all_gather_into", "reduce_scatter_into"]
 
 # buckets whose reduce-scatter may run while the next one fills: two buffers at most (one filling, one reduced).
-# Two in flight (three buffers) made zero2's peak during backward exceed zero1's at the 53.6M MLP (issue 25)
+# Two in flight (three buffers) put zero2's peak during backward above zero1's at the 53.6M MLP
 MAX_IN_FLIGHT = 1
+# at two ranks on gloo, a parameter of at least this many elements is all-reduced as autograd made its gradient
+# (divided in place), not copied into the bucket's flat buffer: the copy, into pages that fault in every backward
+# (the buffer is freed between backwards), cost zero2 about a tenth of a step against zero1 at the 10M MLP
+DIRECT_MIN_NUMEL = 1 << 16
 
 
 def reduce_scatter_into(output: torch.Tensor, buffer: torch.Tensor, group: Any) -> Any:
@@ -104,6 +114,23 @@ class ReduceScatter(BucketCollective):
         # gloo's reduce-scatter clones the whole input and all-reduces the clone, which the Work keeps (and the
         # reducer keeps each Work a step): CPU buckets are all-reduced in place and this rank's part copied out
         self.in_place = all(b.device.type == "cpu" for b in self.buckets) or dist.get_backend(group) == "gloo"
+        # at two ranks on gloo, each bucket's large parameters are reduced as tensors of their own (``direct``), its
+        # small ones in a flat buffer of their own (``small_at``: each one's offset in it); a sum of two is the same
+        # in any order, so the numbers are the flat buffer's. Elsewhere every bucket keeps its one flat buffer, whose
+        # layout is DDP's order of summation at three ranks and more
+        split = self.in_place and self.world_size == 2
+        self.large = [split and self.params[i].numel() >= DIRECT_MIN_NUMEL for i in range(len(self.params))]
+        self.small_at: dict[int, int] = {}
+        self.small_numel = [0] * len(self.buckets)
+        for b, bucket in enumerate(self.buckets):
+            if any(self.large[i] for i in bucket.indices):
+                for i in bucket.indices:
+                    if not self.large[i]:
+                        self.small_at[i] = self.small_numel[b]
+                        self.small_numel[b] += self.params[i].numel()
+        self.split = [any(self.large[i] for i in bucket.indices) for bucket in self.buckets]
+        self.direct: dict[int, torch.Tensor] = {}  # a large parameter's summed-to-be gradient, this backward
+        self._extra_works: dict[int, list[tuple[Any, int]]] = {}  # a split bucket's collectives beyond its first
         self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
         self._works: dict[int, tuple[Any, int]] = {}  # each unfinished bucket's Work and collective number
         # between a synchronised backward and the next forward, a reduced parameter's .grad is a placeholder
@@ -125,6 +152,16 @@ class ReduceScatter(BucketCollective):
         while len(self._unfinished) >= MAX_IN_FLIGHT:
             self._settle(self._unfinished[0])
         bucket, shards = self.buckets[b], self.shards[b]
+        if self.split[b]:  # the small parameters' own buffer (none: the bucket is all large parameters)
+            if not self.small_numel[b]:
+                return
+            buffer = torch.empty(self.small_numel[b], dtype=bucket.dtype, device=bucket.device)
+            self.buffers[b] = buffer
+            for i, at in self.small_at.items():
+                if self.bucket_of[i] == b:
+                    p = self.params[i]
+                    self.views[i] = buffer.narrow(0, at, p.numel()).view_as(p)
+            return
         buffer = torch.empty(shards.padded, dtype=bucket.dtype, device=bucket.device)
         buffer[bucket.numel :].zero_()  # the padding; every parameter's slot is written by its copy-in
         self.buffers[b] = buffer
@@ -144,15 +181,49 @@ class ReduceScatter(BucketCollective):
         self.buffers[b] = empty
         for i in self.buckets[b].indices:
             self.views[i] = empty
-        self._unfinished.remove(b)
-        del self._works[b]
+            grad = self.direct.pop(i, None)
+            if finished and grad is not None:
+                grad.untyped_storage().resize_(0)  # ours (owned, or our copy): freed now, not with the Work
+        if b in self._unfinished:
+            self._unfinished.remove(b)
+        self._works.pop(b, None)
+        self._extra_works.pop(b, None)
 
     def copy_in(self, index: int, grad: torch.Tensor) -> None:
-        self._ensure(self.bucket_of[index])
-        super().copy_in(index, grad)
+        if self.large[index]:
+            self._take_direct(index, grad)
+        else:
+            self._ensure(self.bucket_of[index])
+            super().copy_in(index, grad)
         self.params[index].grad = None  # the bucket holds it now; only this rank's part is kept after the sum
 
+    def _take_direct(self, index: int, grad: torch.Tensor) -> None:
+        """A large parameter's gradient, divided: autograd's own tensor, in place, where nothing else refers to it or
+        its bytes (``grad``, this method's and ``copy_in``'s arguments and the reducer's local hold it); else a copy."""
+        if grad.is_sparse:
+            super().copy_in(index, grad)  # raises: DDP averages dense buckets only
+        if grad.requires_grad:
+            grad = grad.detach()
+        b = self.bucket_of[index]
+        if not any(self.direct.get(i) is not None for i in self.buckets[b].indices) and not self.buffers[b].numel():
+            while len(self._unfinished) >= MAX_IN_FLIGHT:  # the bucket's first gradient: as _ensure bounds buffers
+                self._settle(self._unfinished[0])
+        p = self.params[index]
+        if grad.dtype == p.dtype and grad.device == p.device and owned(grad, holders=4):
+            self.direct[index] = grad.div_(self.divisor) if self.divisor > 1 else grad
+            return
+        slot = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        if grad.dtype == p.dtype:
+            torch.div(grad, self.divisor, out=slot)
+        else:
+            slot.copy_(grad).div_(self.divisor)
+        self.direct[index] = slot
+
     def zero_slot(self, index: int) -> None:
+        if self.large[index]:
+            p = self.params[index]
+            self.direct[index] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            return
         self._ensure(self.bucket_of[index])
         super().zero_slot(index)
 
@@ -199,6 +270,8 @@ class ReduceScatter(BucketCollective):
 
     def start(self, b: int, seq: int) -> Any:
         self._ensure(b)
+        if self.split[b]:
+            return self._start_split(b, seq)
         if self.in_place:
             work = dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
         else:
@@ -206,6 +279,21 @@ class ReduceScatter(BucketCollective):
         self._unfinished.append(b)
         self._works[b] = (work, seq)
         return work
+
+    def _start_split(self, b: int, seq: int) -> Any:
+        """All-reduce each large parameter's gradient, then the small ones' buffer: the first collective is the
+        reducer's (``seq``), each further one numbered by the monitor, so every rank numbers them alike."""
+        tensors = [self.direct[i] for i in self.buckets[b].indices if self.large[i]]
+        if self.small_numel[b]:
+            tensors.append(self.buffers[b])
+        works = []
+        for n, tensor in enumerate(tensors):
+            number = seq if n == 0 else self.monitor.launched()
+            works.append((dist.all_reduce(tensor, group=self.group, async_op=True), number))
+        self._unfinished.append(b)
+        self._works[b] = works[0]
+        self._extra_works[b] = works[1:]
+        return works[0][0]
 
     def _settle(self, b: int) -> None:
         """Wait for bucket ``b``'s reduce-scatter and give its buffer back."""
@@ -219,21 +307,44 @@ class ReduceScatter(BucketCollective):
 
     def _finish(self, b: int) -> None:
         """Bucket ``b``'s collective is done: this rank's part kept (from the all-reduced buffer), the buffer freed."""
+        for work, seq in self._extra_works.get(b, []):
+            self.monitor.wait(work, seq, f"gradient reduce-scatter of bucket {b}")
         if self.in_place:
-            part = self.shards[b].part
-            self.grads[b].copy_(self.buffers[b].narrow(0, self.rank * part, part))
+            if self.split[b]:
+                self._keep_part_split(b)
+            else:
+                part = self.shards[b].part
+                self.grads[b].copy_(self.buffers[b].narrow(0, self.rank * part, part))
             if self.norm_type is not None:
-                self._measure(b, self.buffers[b], self.norm_type)
+                self._measure(b, self.norm_type)
         self._release(b, finished=True)
+
+    def _summed(self, b: int, i: int) -> torch.Tensor:
+        """Parameter ``i``'s all-reduced gradient (bucket ``b``), flat: its own tensor, or its slot in a buffer."""
+        if self.large[i]:
+            return self.direct[i].view(-1)
+        if self.split[b]:
+            return self.buffers[b].narrow(0, self.small_at[i], self.params[i].numel())
+        offset = self.buckets[b].offsets[self.buckets[b].indices.index(i)]
+        return self.buffers[b].narrow(0, offset, self.params[i].numel())
+
+    def _keep_part_split(self, b: int) -> None:
+        """This rank's part of a split bucket, piece by piece from the parameters' sums (its padding stays 0)."""
+        part = self.grads[b]
+        for piece in self.shards[b].pieces[self.rank]:
+            summed = self._summed(b, piece.param).narrow(0, piece.start, piece.length)
+            part.narrow(0, piece.offset, piece.length).copy_(summed)
 
     # -- each parameter's whole-gradient norm ---------------------------------------------------------------------
 
-    def _measure(self, b: int, whole: torch.Tensor, norm_type: float) -> None:
-        """The norms of bucket ``b``'s parameters, from ``whole`` (the bucket's summed gradients, every rank's part)."""
+    def _measure(self, b: int, norm_type: float, whole: torch.Tensor | None = None) -> None:
+        """The norms of bucket ``b``'s parameters, from their sums: ``whole`` (the bucket gathered back, every rank's
+        part), or what its collective summed."""
         bucket = self.buckets[b]
         for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
             p = self.params[i]
-            self._norms[i] = tensor_norm(whole.narrow(0, offset, p.numel()).view_as(p), norm_type)
+            summed = self._summed(b, i) if whole is None else whole.narrow(0, offset, p.numel())
+            self._norms[i] = tensor_norm(summed.view_as(p), norm_type)
         self._measured[b] = self.grads[b]._version
 
     def _forget_norms(self) -> None:
@@ -266,7 +377,7 @@ class ReduceScatter(BucketCollective):
                 with no_python_in_work():
                     work = all_gather_into(whole, self.grads[b], self.group)
                 self.monitor.wait(work, seq, f"all-gather of bucket {b}'s gradients for their norm")
-                self._measure(b, whole, norm_type)
+                self._measure(b, norm_type, whole)
                 del whole
         self.norm_type = norm_type  # measured as each bucket is reduced from the next backward on
         return {i: n for i, n in self._norms.items() if self.reduced[i]}
