@@ -15,11 +15,11 @@ DDP reducer's (:mod:`paratrain.ddp.reducer`, which calls this collective as it c
 - on CPU (gloo) a bucket is all-reduced in place and this rank's part copied out: gloo's own reduce-scatter is that
   all-reduce on a clone of the whole bucket, which its Work holds, so every bucket's clone would live through the
   step and the next backward, above zero1's and ddp's peak; the sums are the same numbers;
-- on gloo at two ranks a parameter of :data:`DIRECT_MIN_NUMEL` elements or more is all-reduced as autograd made its
-  gradient, divided in place (where :func:`~paratrain.sharded.owned.owned` shows nothing else refers to it; else a
-  copy), and the bucket's small parameters share a buffer of their own: no copy of the whole gradient into fresh
-  pages every backward. A sum of two is the same in any order, so the numbers are the flat buffer's; at three
-  ranks and more the one flat buffer stays, as its layout sums in DDP's order;
+- on gloo at two ranks a parameter of :data:`DIRECT_MIN_NUMEL` elements or more, and a quarter of its bucket or more,
+  is all-reduced as autograd made its gradient, divided in place (where :func:`~paratrain.sharded.owned.owned`
+  shows nothing else refers to it; else a copy), and the bucket's small parameters share a buffer of their own: no
+  copy of the whole gradient into fresh pages every backward. A sum of two is the same in any order, so the numbers
+  are the flat buffer's; at three ranks and more the one flat buffer stays, as its layout sums in DDP's order;
 - each parameter's gradient is copied in (divided by the world size, as DDP divides it) and its ``.grad`` freed
   at once; inside ``no_sync`` gradients accumulate in ``.grad`` as under DDP, and the synchronising backward
   copies the sum;
@@ -61,9 +61,11 @@ __all__ = ["DIRECT_MIN_NUMEL", "MAX_IN_FLIGHT", "ReduceScatter", "all_gather_int
 # buckets whose reduce-scatter may run while the next one fills: two buffers at most (one filling, one reduced).
 # Two in flight (three buffers) put zero2's peak during backward above zero1's at the 53.6M MLP
 MAX_IN_FLIGHT = 1
-# at two ranks on gloo, a parameter of at least this many elements is all-reduced as autograd made its gradient
-# (divided in place), not copied into the bucket's flat buffer: the copy, into pages that fault in every backward
-# (the buffer is freed between backwards), cost zero2 about a tenth of a step against zero1 at the 10M MLP
+# at two ranks on gloo, a parameter of at least this many elements and a quarter of its bucket or more is all-reduced
+# as autograd made its gradient (divided in place), not copied into the bucket's flat buffer: the copy, into pages
+# that fault in every backward (the buffer is freed between backwards), cost zero2 about a tenth of a step against
+# zero1 at the 10M MLP. Smaller shares save less than a collective of their own costs (a small GPT's blocks, each a
+# few percent of a bucket, were 3% slower reduced one by one)
 DIRECT_MIN_NUMEL = 1 << 16
 
 
@@ -119,7 +121,11 @@ class ReduceScatter(BucketCollective):
         # in any order, so the numbers are the flat buffer's. Elsewhere every bucket keeps its one flat buffer, whose
         # layout is DDP's order of summation at three ranks and more
         split = self.in_place and self.world_size == 2
-        self.large = [split and self.params[i].numel() >= DIRECT_MIN_NUMEL for i in range(len(self.params))]
+        self.large = [False] * len(self.params)
+        for bucket in self.buckets:
+            for i in bucket.indices:
+                numel = self.params[i].numel()
+                self.large[i] = split and numel >= DIRECT_MIN_NUMEL and 4 * numel >= bucket.numel
         self.small_at: dict[int, int] = {}
         self.small_numel = [0] * len(self.buckets)
         for b, bucket in enumerate(self.buckets):
