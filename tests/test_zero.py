@@ -46,6 +46,13 @@ def test_large_gradients_are_all_reduced_as_autograd_made_them_at_two_ranks(two)
         assert rank["direct"]["owned"] > 0, rank["direct"]
 
 
+def test_the_small_first_bucket_reduces_while_the_next_one_fills(two):
+    for rank in two:
+        # DDP's first bucket (1 MiB) fits beside the largest within zero2's budget: the backward goes on while it
+        # reduces; with nothing allowed in flight the second bucket's first gradient waits for it, every backward
+        assert rank["first_bucket_overlaps"] == {"budgeted": 0, "none in flight": 3}, rank["first_bucket_overlaps"]
+
+
 def test_gradients_add_up_across_synchronised_backwards_as_under_ddp(two):
     """backward(); backward(); step(), every backward reducing: zero2 adds as DDP's .grad does, bit for bit."""
     for rank in two:

@@ -565,6 +565,35 @@ def counting_direct(found: dict[str, int]) -> Any:
         reducer.owned = real
 
 
+def first_bucket_overlaps(rank: int, world: int) -> dict[str, int]:
+    """How often zero2's backward stopped to wait for a launched bucket before the next took its buffer: with DDP's
+    small first bucket reducing while the large second one fills (the budget), and with no budget beyond none in
+    flight (what it did before, which stalled the backward until the first bucket was done)."""
+    found = {}
+    for budgeted in (True, False):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 600))
+        model = ZeroDataParallel(net, 2)  # buckets: the last Linear (1.2 MB, its own first bucket), then the rest
+        collective = model.reducer.collective
+        assert isinstance(collective, ReduceScatter)
+        if not budgeted:
+            collective._budget = 0
+        waits = 0
+        real = collective._settle
+
+        def counted(b: int, real: Any = real) -> None:
+            nonlocal waits
+            waits += 1
+            real(b)
+
+        collective._settle = counted  # type: ignore[method-assign]
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+        for _ in range(3):
+            model(x).square().mean().backward()
+        found["budgeted" if budgeted else "none in flight"] = waits
+    return found
+
+
 def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Every scenario that leaves the process group usable, in one set of processes (start-up is slow)."""
     direct = {"owned": 0, "copied": 0}
@@ -580,6 +609,7 @@ def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
         "tied_checkpoint": tied_checkpoint(rank, world, directory),
         "torch_utilities": torch_utilities(rank, world),
         "peak_memory": peak_memory(rank, world),
+        "first_bucket_overlaps": first_bucket_overlaps(rank, world),
     }
 
 

@@ -9,9 +9,9 @@ DDP reducer's (:mod:`paratrain.ddp.reducer`, which calls this collective as it c
 
 - a bucket's flat buffer exists only while the bucket fills and its reduce-scatter runs: it is taken when the
   bucket's first gradient arrives and freed once its collective is done (its storage emptied at once: the Work the
-  reducer keeps for a step must not keep the bytes), with at most :data:`MAX_IN_FLIGHT` bucket launched and
-  unfinished at a time (it is waited for before another buffer is taken: two buffers at most), so the full
-  gradient never exists at once;
+  reducer keeps for a step must not keep the bytes); a new buffer is taken once the launched buckets' buffers
+  and it fit in the largest bucket's bytes plus :data:`SMALL_IN_FLIGHT_BYTES` (the oldest are waited for until
+  they do: :func:`held_at_most`), so the full gradient never exists at once;
 - on CPU (gloo) a bucket is all-reduced in place and this rank's part copied out: gloo's own reduce-scatter is that
   all-reduce on a clone of the whole bucket, which its Work holds, so every bucket's clone would live through the
   step and the next backward, above zero1's and ddp's peak; the sums are the same numbers;
@@ -49,24 +49,32 @@ import torch.distributed as dist
 from paratrain.comm.collectives import CollectiveMonitor
 from paratrain.comm.process_groups import no_python_in_work
 from paratrain.ddp.bucket_collective import BucketCollective
-from paratrain.ddp.buckets import Bucket
+from paratrain.ddp.buckets import FIRST_BUCKET_BYTES, Bucket
 from paratrain.errors import DistributedError
 from paratrain.sharded.grad_norm import tensor_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.owned import owned
 from paratrain.sharded.partition import BucketShards, shard_bucket
 
-__all__ = ["DIRECT_MIN_NUMEL", "MAX_IN_FLIGHT", "ReduceScatter", "all_gather_into", "reduce_scatter_into"]
+__all__ = ["DIRECT_MIN_NUMEL", "ReduceScatter", "all_gather_into", "held_at_most", "reduce_scatter_into"]
 
-# buckets whose reduce-scatter may run while the next one fills: two buffers at most (one filling, one reduced).
-# Two in flight (three buffers) put zero2's peak during backward above zero1's at the 53.6M MLP
-MAX_IN_FLIGHT = 1
+# a bucket's buffer is taken while launched buckets still hold theirs only within the largest bucket's bytes plus
+# DDP's small first bucket: the first bucket (launched early so that communication starts early) then reduces while
+# the next one fills, instead of stalling the backward until it is done (3.5 ms a step at the small GPT), and the
+# peak rises by at most 1 MiB. Two large buckets at once put zero2's peak during backward above zero1's at the
+# 53.6M MLP
+SMALL_IN_FLIGHT_BYTES = FIRST_BUCKET_BYTES
 # at two ranks on gloo, a parameter of at least this many elements and a quarter of its bucket or more is all-reduced
 # as autograd made its gradient (divided in place), not copied into the bucket's flat buffer: the copy, into pages
 # that fault in every backward (the buffer is freed between backwards), cost zero2 about a tenth of a step against
 # zero1 at the 10M MLP. Smaller shares save less than a collective of their own costs (a small GPT's blocks, each a
 # few percent of a bucket, were 3% slower reduced one by one)
 DIRECT_MIN_NUMEL = 1 << 16
+
+
+def held_at_most(sizes: Sequence[int]) -> int:
+    """The most bytes of bucket buffers held at once during a backward, given each bucket's buffer bytes."""
+    return min(sum(sizes), max(sizes, default=0) + SMALL_IN_FLIGHT_BYTES)
 
 
 def reduce_scatter_into(output: torch.Tensor, buffer: torch.Tensor, group: Any) -> Any:
@@ -138,6 +146,9 @@ class ReduceScatter(BucketCollective):
         self.direct: dict[int, torch.Tensor] = {}  # a large parameter's summed-to-be gradient, this backward
         self._extra_works: dict[int, list[tuple[Any, int]]] = {}  # a split bucket's collectives beyond its first
         self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
+        # the most each bucket holds (its padded buffer, or its large parameters' gradients and small ones' buffer)
+        self._bytes = [s.padded * b.dtype.itemsize for s, b in zip(self.shards, self.buckets, strict=True)]
+        self._budget = held_at_most(self._bytes)
         self._works: dict[int, tuple[Any, int]] = {}  # each unfinished bucket's Work and collective number
         # between a synchronised backward and the next forward, a reduced parameter's .grad is a placeholder
         # whose use raises, naming par.clip_grad_norm_ (torch's own clip would otherwise read None: 0.0)
@@ -155,8 +166,7 @@ class ReduceScatter(BucketCollective):
         """Bucket ``b``'s buffer, taken now if it has none (after the oldest launched bucket is done, if need be)."""
         if self.buffers[b].numel() or not self.buckets[b].numel:
             return
-        while len(self._unfinished) >= MAX_IN_FLIGHT:
-            self._settle(self._unfinished[0])
+        self._make_room(b)
         bucket, shards = self.buckets[b], self.shards[b]
         if self.split[b]:  # the small parameters' own buffer (none: the bucket is all large parameters)
             if not self.small_numel[b]:
@@ -174,6 +184,11 @@ class ReduceScatter(BucketCollective):
         for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
             p = self.params[i]
             self.views[i] = buffer.narrow(0, offset, p.numel()).view_as(p)
+
+    def _make_room(self, b: int) -> None:
+        """Wait for the oldest launched buckets until bucket ``b`` fits beside the rest within the budget."""
+        while self._unfinished and sum(self._bytes[u] for u in self._unfinished) + self._bytes[b] > self._budget:
+            self._settle(self._unfinished[0])
 
     def _release(self, b: int, *, finished: bool) -> None:
         """Give bucket ``b``'s buffer back: its placeholder stands in again.
@@ -212,8 +227,7 @@ class ReduceScatter(BucketCollective):
             grad = grad.detach()
         b = self.bucket_of[index]
         if not any(self.direct.get(i) is not None for i in self.buckets[b].indices) and not self.buffers[b].numel():
-            while len(self._unfinished) >= MAX_IN_FLIGHT:  # the bucket's first gradient: as _ensure bounds buffers
-                self._settle(self._unfinished[0])
+            self._make_room(b)  # the bucket's first gradient: as _ensure bounds buffers
         p = self.params[index]
         if grad.dtype == p.dtype and grad.device == p.device and owned(grad, holders=4):
             self.direct[index] = grad.div_(self.divisor) if self.divisor > 1 else grad

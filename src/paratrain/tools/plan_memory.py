@@ -10,7 +10,9 @@ Model states are counted exactly as the strategies allocate them, from the same 
 - gradients: every bucket (ddp and zero1 keep them as the buckets' buffers), or zero2's part of each;
 - optimizer state: its per-element tensors over the elements the rank updates (all of them under ddp), and
   each updated tensor's step count;
-- zero2 also holds up to ``MAX_IN_FLIGHT + 1`` whole bucket buffers while backward runs ("in flight");
+- zero2 also holds the two largest buckets' bytes while backward runs ("in flight"): one bucket reducing while
+  autograd computes the next one's gradients (into its buffer, or as tensors of their own that zero2 reduces as
+  they are);
 - zero3 holds its part of every unit's weights, gradients and optimizer state (:mod:`paratrain.sharded.units`'s
   default policy). Its peak is in backward, which is followed unit by unit (the root first, then the units in
   the reverse of their order in the model): at each unit, its parts of the gradients of the units already
@@ -37,7 +39,6 @@ from paratrain.errors import ConfigError
 from paratrain.sharded.flat_unit import unit_layout
 from paratrain.sharded.fully_sharded import MAX_REDUCING
 from paratrain.sharded.partition import shard_bucket
-from paratrain.sharded.reducer import MAX_IN_FLIGHT
 from paratrain.sharded.units import plan_units
 
 __all__ = [
@@ -152,7 +153,7 @@ def memory_rows(
                 largest = sorted(
                     (shard_bucket(b, numels, n).padded * _itemsize(b.dtype) for b in buckets), reverse=True
                 )
-                in_flight = sum(largest[: MAX_IN_FLIGHT + 1])
+                in_flight = sum(largest[:2])
             rows.append(MemoryRow(strategy, n, parameters + frozen, gradients, state, in_flight, act))
     return rows
 
