@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -211,6 +212,26 @@ def test_parser_passes_everything_after_the_script_through() -> None:
         parser.parse_args(["launch", "--nproc-per-node", "zero", "t.py"])
 
 
+def test_the_first_failure_is_a_rank_that_ended_on_its_own() -> None:
+    """A rank the launcher stopped after another failed, whose error file is older, is not the job's failure."""
+    from types import SimpleNamespace
+
+    from paratrain.launch.failures import first_failure, summary_lines
+
+    stopped = SimpleNamespace(exitcode=-signal.SIGTERM, timestamp=100, message={"message": "ConfigError: x"})
+    failed = SimpleNamespace(exitcode=1, timestamp=101, message={"message": "ConfigError: x"})
+    failures = {0: failed, 1: stopped, 2: SimpleNamespace(exitcode=-signal.SIGTERM, timestamp=102, message="")}
+    assert first_failure(failures) == 0
+    assert summary_lines(failures, 0) == [
+        "rank 0 exited with code 1: ConfigError: x",
+        "rank 1 was stopped by the launcher after rank 0 failed",
+        "rank 2 was stopped by the launcher after rank 0 failed",
+    ]
+    # every rank stopped (a signal to the job): the earliest, as torchrun picks it; ties go to the lowest rank
+    assert first_failure({3: stopped, 1: stopped}) == 1
+    assert first_failure({0: failed, 2: SimpleNamespace(exitcode=1, timestamp=100, message="")}) == 2
+
+
 # --- real torchrun runs -------------------------------------------------------------------------------------
 
 
@@ -250,6 +271,26 @@ def test_a_failing_worker_is_one_line_with_its_error_and_the_job_exits_with_its_
     shutil.rmtree(Path(report).parent)
     # the wrapper runs as __main__ without `import paratrain` having loaded it first (runpy's RuntimeWarning)
     assert "RuntimeWarning" not in done.stderr, done.stderr
+
+
+@pytest.mark.processes
+def test_the_same_error_on_every_rank_is_printed_once(tmp_path: Path) -> None:
+    script = tmp_path / "wrong_devices.py"
+    script.write_text('import paratrain\npar = paratrain.Parallel("ddp", devices=["cpu", "cpu", "cpu"])\n')
+    command = [*_launch_command(), "--nproc-per-node", "3", str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    # one traceback (each rank failed on the same line with the same message), not one per rank
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr
+    assert 'File "' + str(script) + '", line 2, in <module>' in done.stderr
+    error = "paratrain.errors.ConfigError: strategy 'ddp' runs one process per device"
+    assert done.stderr.count(error) == 1, done.stderr
+    # the launcher's summary still names each failed rank with its error
+    assert re.search(r"paratrain launch: rank \d exited with code 1: ConfigError: strategy 'ddp'", done.stderr)
+    report = done.stderr.strip().splitlines()[-1].removeprefix("paratrain launch: torchrun's full report: ")
+    job = Path(report).parent
+    assert not [p.name for p in job.iterdir() if p.name.startswith("shown-")]  # the markers went with the job
+    shutil.rmtree(job)
 
 
 @pytest.mark.processes

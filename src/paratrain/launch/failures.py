@@ -14,16 +14,56 @@ a log file it names.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import signal
 from typing import Any
 
 from paratrain.diagnostics.error_file import error_line, record_error
+from paratrain.files import JOB_DIR_ENV
 
-__all__ = ["EXIT_OUTPUT_CLOSED", "error_line", "exit_code_of", "output_closed", "record_error", "summary_lines"]
+__all__ = [
+    "EXIT_OUTPUT_CLOSED",
+    "error_line",
+    "exit_code_of",
+    "first_failure",
+    "first_to_show",
+    "is_shown_marker",
+    "output_closed",
+    "record_error",
+    "summary_lines",
+]
 
 EXIT_OUTPUT_CLOSED = 128 + signal.SIGPIPE.value  # 141: a Unix tool whose output's reader went away
 _STOPPED = (-signal.SIGTERM, -signal.SIGKILL)  # how torchrun stops the other workers after a failure
 _NO_RECORD = "To enable traceback see"  # what torchrun's table says for a rank that recorded nothing
+
+
+_SHOWN = "shown-"  # a marker in the job's directory: this traceback was printed by a rank of this node
+
+
+def first_to_show(text: str) -> bool:
+    """Whether this worker is the first of its job on this machine to fail with exactly ``text`` (a traceback), in
+    this start of the workers: it prints it, the others do not (every rank failing on the same line of a script
+    would print the same traceback, once per rank). True outside paratrain's launcher, and when the job's
+    directory cannot be written."""
+    job = os.environ.get(JOB_DIR_ENV)
+    if not job:
+        return True
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    digest = hashlib.sha256(f"{attempt}\n{text}".encode()).hexdigest()[:16]
+    try:
+        os.close(os.open(os.path.join(job, f"{_SHOWN}{digest}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def is_shown_marker(name: str) -> bool:
+    """Whether a file of the job's directory is one of :func:`first_to_show`'s markers (removed at the job's end)."""
+    return name.startswith(_SHOWN)
 
 
 def exit_code_of(exitcode: int) -> int:
@@ -38,6 +78,15 @@ def _ended(exitcode: int) -> str:
         except ValueError:
             return f"was killed by signal {-exitcode}"
     return f"exited with code {exitcode}"
+
+
+def first_failure(failures: dict[int, Any]) -> int:
+    """The rank whose failure ended the job: the earliest (``timestamp``) of those that ended on their own, not by
+    the launcher's stop. torchrun's own choice is the earliest of all, which can be a rank it stopped after another
+    failed (its error file written just before the stop reached it): the job would then exit as if killed by
+    SIGTERM (143) although a rank exited with its own code."""
+    own = {rank: f for rank, f in failures.items() if f.exitcode not in _STOPPED} or failures
+    return min(own, key=lambda rank: (own[rank].timestamp, rank))
 
 
 def output_closed(failures: dict[int, Any], first: int) -> bool:

@@ -5,8 +5,9 @@
 give each failed rank's error (:mod:`paratrain.launch.failures`) without the script using torch's ``@record``
 decorator: an exception's type and message, or for ``sys.exit(N)`` the last line the script wrote to stderr. The
 script sees what it would see started directly: ``__name__ == "__main__"``, its own ``__file__``, ``sys.argv`` from
-its path on, and its directory first on ``sys.path``; its traceback is printed as Python prints it. Ctrl-C (which
-the launcher passes to every rank) ends it with 130 without a traceback per rank.
+its path on, and its directory first on ``sys.path``; its traceback is printed as Python prints it, once on each
+machine when several ranks fail with the same one (:func:`~paratrain.launch.failures.first_to_show`). Ctrl-C
+(which the launcher passes to every rank) ends it with 130 without a traceback per rank.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import traceback
 from typing import Any, TextIO
 
-from paratrain.launch.failures import error_line, record_error
+from paratrain.launch.failures import error_line, first_to_show, record_error
 
 _EXIT_INTERRUPTED = 130
 
@@ -67,11 +68,14 @@ def main() -> None:
         sys.exit(_EXIT_INTERRUPTED)
     except BaseException as exc:
         record_error(error_line(exc))
-        # the traceback Python would print for the script run directly: without this module's and runpy's frames
+        # the traceback Python would print for the script run directly: without this module's and runpy's frames;
+        # once per machine when every rank fails alike (the launcher's summary names each failed rank)
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>", runpy.__file__):
             tb = tb.tb_next
-        traceback.print_exception(type(exc), exc, tb)
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        if first_to_show(text):
+            sys.stderr.write(text)
         sys.stderr.flush()
         sys.exit(1)
 

@@ -58,7 +58,14 @@ from typing import Any
 from paratrain.diagnostics.stacks import is_stack_file
 from paratrain.files import JOB_DIR_ENV
 from paratrain.launch.config import EXIT_PORT_TAKEN, EXIT_RENDEZVOUS_FAILED
-from paratrain.launch.failures import EXIT_OUTPUT_CLOSED, exit_code_of, output_closed, summary_lines
+from paratrain.launch.failures import (
+    EXIT_OUTPUT_CLOSED,
+    exit_code_of,
+    first_failure,
+    is_shown_marker,
+    output_closed,
+    summary_lines,
+)
 
 # after Ctrl-C the workers stop after a step they agree on and save a checkpoint, which a loaded machine or a big
 # model makes slow: they get this long at least (a second Ctrl-C ends them at once)
@@ -186,7 +193,9 @@ def _tidy(job: Path, *, keep_logs: bool) -> None:
     """At the job's end: remove what no line named (see the module docstring); the directory if it is empty."""
     for entry in list(job.iterdir()):
         with contextlib.suppress(OSError):
-            if is_stack_file(entry.name):
+            if is_shown_marker(entry.name):
+                entry.unlink()
+            elif is_stack_file(entry.name):
                 if entry.stat().st_size == 0:  # no one asked for its rank's stacks
                     entry.unlink()
             elif not keep_logs:
@@ -284,7 +293,8 @@ def _run(torchrun_main: Callable[[], None], name: str, log_path: Path) -> tuple[
         )
         return EXIT_RENDEZVOUS_FAILED, True
     except ChildFailedError as exc:
-        first, root = exc.get_first_failure()
+        first = first_failure(exc.failures)
+        root = exc.failures[first]
         if output_closed(exc.failures, first):  # `... | head`: the reader has what it wanted; nothing failed
             return EXIT_OUTPUT_CLOSED, False
         _append(log_path, traceback.format_exc())

@@ -20,7 +20,7 @@ from paratrain.diagnostics.stacks import drop_unused_dump
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import CollectiveError, ConfigError, ParatrainError, TrainingInterrupted
 from paratrain.launch.config import LaunchConfig
-from paratrain.launch.failures import record_error
+from paratrain.launch.failures import first_to_show, record_error
 from paratrain.training.config import TrainConfig
 from paratrain.training.job import train
 from paratrain.training.progress import stdout_closed
@@ -60,7 +60,9 @@ def main(argv: list[str]) -> int:
 
 
 def _failed(exc: ParatrainError, code: int) -> int:
-    print(f"paratrain train: error: {exc}", file=sys.stderr)
+    message = f"paratrain train: error: {exc}"
+    if first_to_show(message):  # once on this machine when every rank fails alike; the summary names each rank
+        print(message, file=sys.stderr)
     summary = getattr(exc, "summary", None)  # a CollectiveError's short line: its diagnosis is printed just above
     record_error(f"paratrain train: error: {summary or exc}")  # the launcher's line for this rank quotes it
     return code
