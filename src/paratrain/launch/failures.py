@@ -20,6 +20,7 @@ import signal
 from typing import Any
 
 from paratrain.diagnostics.error_file import error_line, record_error
+from paratrain.environment import ClusterEnvironment
 from paratrain.files import JOB_DIR_ENV
 
 __all__ = [
@@ -50,7 +51,7 @@ def first_to_show(text: str) -> bool:
     job = os.environ.get(JOB_DIR_ENV)
     if not job:
         return True
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = ClusterEnvironment.detect().restart_count
     digest = hashlib.sha256(f"{attempt}\n{text}".encode()).hexdigest()[:16]
     try:
         os.close(os.open(os.path.join(job, f"{_SHOWN}{digest}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
