@@ -15,15 +15,14 @@ so the model runs the same whether called through the wrapper or directly:
   through a training forward, its backward comes first); between uses a parameter keeps its shape and reads NaN;
 - a hook on the unit's outputs gathers the weights again before its backward; once every gradient of the unit
   has arrived they are divided by the world size (as our DDP divides them) and summed by a reduce-scatter into
-  this rank's part of the shard's gradient. On gloo the sum is an all-reduce in place, this rank's part kept; in a
-  synchronising backward that adds to nothing kept, a large parameter's gradient (a quarter of its unit or more,
-  :data:`~paratrain.sharded.flat_unit.DIRECT_MIN_NUMEL` elements at least) is all-reduced as a tensor of its own,
-  autograd's own divided in place, not copied into a flat buffer first, and the small ones share one buffer; that
-  reduce is settled before the next unit's backward computes its gradients. Gradients add up across backwards as
-  ``.grad`` does, in ddp's order:
-  a gradient kept from an earlier backward is gathered back as the next one begins, autograd's added to it, and
-  the sum divided and reduced again. Inside ``no_sync`` the unit's whole gradients are kept, and reduced by the
-  next synchronising backward;
+  this rank's part of the shard's gradient (:mod:`paratrain.sharded.unit_reduce`). On gloo the sum is an all-reduce
+  in place, this rank's part kept; in a synchronising backward that adds to nothing kept, a large parameter's
+  gradient (a quarter of its unit or more, :data:`~paratrain.sharded.flat_unit.DIRECT_MIN_NUMEL` elements at least)
+  is all-reduced as a tensor of its own, autograd's own divided in place, not copied into a flat buffer first, and
+  the small ones share one buffer; that reduce is settled before the next unit's backward computes its gradients.
+  Gradients add up across backwards as ``.grad`` does, in ddp's order: a gradient kept from an earlier backward
+  is gathered back as the next one begins, autograd's added to it, and the sum divided and reduced again. Inside
+  ``no_sync`` the unit's whole gradients are kept, and reduced by the next synchronising backward;
 - the next unit's all-gather is started while the current one computes (``prefetch`` units ahead, in the order
   the first training forward ran them; backwards in reverse).
 
@@ -39,7 +38,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -49,7 +47,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
-from paratrain.comm.process_groups import no_python_in_work, to_seconds
+from paratrain.comm.process_groups import to_seconds
 from paratrain.ddp.setup import agree_at_start_up
 from paratrain.diagnostics.stacks import UserLine
 from paratrain.errors import ConfigError, DistributedError
@@ -58,28 +56,17 @@ from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.meta_init import check_same_everywhere, materialize_units
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
-from paratrain.sharded.reducer import all_gather_into, reduce_scatter_into
+from paratrain.sharded.reducer import all_gather_into
+from paratrain.sharded.unit_reduce import MAX_REDUCING, UnitReduces
 from paratrain.sharded.units import DEFAULT_MIN_PARAMS, UnitPlan, UnitSpec, plan_units
 from paratrain.tree import flatten
 from paratrain.user_keys import UserKeys
 
 __all__ = ["MAX_REDUCING", "FullyShardedDataParallel"]
 
-# units whose reduce-scatter may run at once; each holds the unit's whole gradient meanwhile. One: two made zero3's
-# peak during backward the highest of the strategies (each unit a sixth of the 53.6M MLP; issue 26). On gloo a
-# unit's reduce is also settled before the next unit's backward computes its gradients (_pre_backward)
-MAX_REDUCING = 1
-
 
 def _queue_end_of_backward(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-@dataclass
-class _Reducing:
-    unit: ShardedUnit
-    works: list[tuple[Any, int]]  # (Work, collective number): one, or one per tensor of a split backward
-    out: torch.Tensor | None  # None: all-reduced in place (gloo): the unit's whole gradient, or a split backward's
 
 
 class FullyShardedDataParallel(UserKeys, nn.Module):
@@ -157,10 +144,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         self._sync = True  # the backward to come reduces (set by each training forward)
         self._callback_queued = False
-        self._reducing: list[_Reducing] = []
-        # gloo's reduce-scatter is an all-reduce of a clone of the whole input, which its Work holds: all-reducing the
-        # unit's gradient in place gives the same sums without the clone (as zero2's buckets on gloo)
-        self._reduce_in_place = dist.get_backend(self.process_group) == "gloo"
+        self._reduces = UnitReduces(self.process_group, self.monitor)
         self._order: list[int] | None = None  # the units in the order the first training forward ran them
         self.prefetched = {"forward": 0, "backward": 0}  # all-gathers started ahead of their unit
         self._recording: list[int] | None = None
@@ -349,11 +333,10 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             return
         unit.backward_started = True
         self._gather(unit)
-        if self._reduce_in_place:
+        if self._reduces.in_place:
             # the unit's gradients are computed next: the reduce in flight (the unit before, all-reduced in place)
             # is settled first, so that its whole gradient is gone before this one's and the next unit's weights come
-            while self._reducing:
-                self._settle(self._reducing[0])
+            self._reduces.settle_all()
         self._prefetch_from(unit, backward=True)
 
     def _on_grad(self, unit: ShardedUnit, i: int) -> None:
@@ -379,7 +362,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def _split(self) -> bool:
         """Whether a unit's gradients may be reduced parameter by parameter (ShardedUnit.open_grad): a synchronising
         backward whose reduce is an all-reduce in place (gloo)."""
-        return self._sync and self._reduce_in_place
+        return self._sync and self._reduces.in_place
 
     def _reduce(self, unit: ShardedUnit) -> None:
         if unit.reduce_launched or not unit.trainable:
@@ -387,38 +370,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         unit.reduce_launched = True
         unit.open_grad(self.process_group, self.monitor, split=self._split())
         unit.ready_to_reduce()
-        while len(self._reducing) >= MAX_REDUCING:
-            self._settle(self._reducing[0])
-        works: list[tuple[Any, int]] = []
-        out: torch.Tensor | None = None
-        with no_python_in_work():
-            if unit.split:
-                for tensor in unit.to_reduce():
-                    seq = self.monitor.launched()
-                    works.append((dist.all_reduce(tensor, group=self.process_group, async_op=True), seq))
-            elif self._reduce_in_place:
-                assert unit.grad_full is not None
-                seq = self.monitor.launched()
-                works.append((dist.all_reduce(unit.grad_full, group=self.process_group, async_op=True), seq))
-            else:
-                assert unit.grad_full is not None
-                out = torch.empty(unit.part, dtype=unit.dtype, device=unit.device)
-                seq = self.monitor.launched()
-                works.append((reduce_scatter_into(out, unit.grad_full, self.process_group), seq))
-        self._reducing.append(_Reducing(unit, works, out))
-
-    def _settle(self, reducing: _Reducing) -> None:
-        unit = reducing.unit
-        for work, seq in reducing.works:
-            self.monitor.wait(work, seq, f"gradient reduce-scatter of unit {unit.label}")
-        self._reducing.remove(reducing)
-        if unit.split:  # each large parameter's gradient and the small ones' buffer all-reduced in place
-            unit.add_split()
-            return
-        if reducing.out is None:  # all-reduced in place: this rank's part of the sum, the whole buffer freed
-            assert unit.grad_full is not None
-            reducing.out = unit.grad_full.narrow(0, unit.rank * unit.part, unit.part).clone()
-        unit.add_reduced(reducing.out)
+        self._reduces.launch(unit)
 
     def _finish(self) -> None:
         """End of backward: reduce what is left, wait for every reduce-scatter, release every gathered unit."""
@@ -430,8 +382,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
                 for unit in self.units:
                     if unit.backward_started or any(unit.arrived):
                         self._reduce(unit)
-                for reducing in list(self._reducing):
-                    self._settle(reducing)
+                self._reduces.settle_all()
         finally:
             for unit in self.units:
                 unit.wait_gather(self.monitor)
