@@ -230,6 +230,9 @@ def test_the_first_failure_is_a_rank_that_ended_on_its_own() -> None:
     # every rank stopped (a signal to the job): the earliest, as torchrun picks it; ties go to the lowest rank
     assert first_failure({3: stopped, 1: stopped}) == 1
     assert first_failure({0: failed, 2: SimpleNamespace(exitcode=1, timestamp=100, message="")}) == 2
+    # a rank killed from outside (SIGKILL) before the others failed is the failure, as torchrun says
+    killed = SimpleNamespace(exitcode=-signal.SIGKILL, timestamp=100, message="")
+    assert first_failure({0: failed, 1: killed}) == 1
 
 
 # --- real torchrun runs -------------------------------------------------------------------------------------

@@ -82,11 +82,14 @@ def _ended(exitcode: int) -> str:
 
 
 def first_failure(failures: dict[int, Any]) -> int:
-    """The rank whose failure ended the job: the earliest (``timestamp``) of those that ended on their own, not by
-    the launcher's stop. torchrun's own choice is the earliest of all, which can be a rank it stopped after another
-    failed (its error file written just before the stop reached it): the job would then exit as if killed by
-    SIGTERM (143) although a rank exited with its own code."""
-    own = {rank: f for rank, f in failures.items() if f.exitcode not in _STOPPED} or failures
+    """The rank whose failure ended the job: the earliest (``timestamp``) of those the launcher did not stop.
+
+    torchrun's own choice is the earliest of all, which can be a rank it stopped with SIGTERM after another failed
+    (its error file written just before the stop reached it): the job would then exit as if killed by SIGTERM
+    (143) although a rank exited with its own code. A rank killed by SIGKILL stays a candidate: that is how a rank
+    killed from outside (the machine's OOM killer, a fault) ends, and the launcher sends it only to a rank that
+    outlived SIGTERM by the shutdown timeout, long after the failure it stops the job for."""
+    own = {rank: f for rank, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
     return min(own, key=lambda rank: (own[rank].timestamp, rank))
 
 
