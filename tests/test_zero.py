@@ -46,6 +46,13 @@ def test_large_gradients_are_all_reduced_as_autograd_made_them_at_two_ranks(two)
         assert rank["direct"]["owned"] > 0, rank["direct"]
 
 
+def test_buckets_are_reduce_scattered_by_exchanging_halves_at_two_ranks(two):
+    for rank in two:
+        # each rank sends its peer's half and adds the peer's copy of its own half: the runs above are ddp's bit for
+        # bit with it (a clip's norms switch a run to the in-place all-reduce, which measures them)
+        assert rank["exchanged"]["buckets"] > 0, rank["exchanged"]
+
+
 def test_the_small_first_bucket_reduces_while_the_next_one_fills(two):
     for rank in two:
         # DDP's first bucket (1 MiB) fits beside the largest within zero2's budget: the backward goes on while it

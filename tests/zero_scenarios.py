@@ -547,6 +547,22 @@ def peak_memory(rank: int, world: int) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
+def counting_exchanges(found: dict[str, int]) -> Any:
+    """Count zero2's buckets reduce-scattered by exchanging halves with the peer (two ranks, gloo)."""
+    real = ReduceScatter._start_exchange
+
+    def counted(self: ReduceScatter, b: int, seq: int) -> Any:
+        found["buckets"] += 1
+        return real(self, b, seq)
+
+    ReduceScatter._start_exchange = counted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ReduceScatter._start_exchange = real  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def counting_direct(found: dict[str, int]) -> Any:
     """Count zero2's large gradients all-reduced as autograd made them (``owned``) and those it copied instead."""
     from paratrain.sharded import reducer
@@ -597,11 +613,13 @@ def first_bucket_overlaps(rank: int, world: int) -> dict[str, int]:
 def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Every scenario that leaves the process group usable, in one set of processes (start-up is slow)."""
     direct = {"owned": 0, "copied": 0}
-    with counting_direct(direct):
+    exchanged = {"buckets": 0}
+    with counting_direct(direct), counting_exchanges(exchanged):
         same = exactness(rank, world)
     return {
         "exactness": same,
         "direct": direct,
+        "exchanged": exchanged,
         "optimizer_surface": optimizer_surface(rank, world),
         "accumulation": accumulation(rank, world),
         "gradients_and_overflow": gradients_and_overflow(rank, world),

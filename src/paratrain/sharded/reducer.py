@@ -20,6 +20,11 @@ DDP reducer's (:mod:`paratrain.ddp.reducer`, which calls this collective as it c
   shows nothing else refers to it; else a copy), and the bucket's small parameters share a buffer of their own: no
   copy of the whole gradient into fresh pages every backward. A sum of two is the same in any order, so the numbers
   are the flat buffer's; at three ranks and more the one flat buffer stays, as its layout sums in DDP's order;
+- at two ranks on gloo the reduce-scatter is an exchange (:meth:`ReduceScatter._start_exchange`): each rank sends
+  its peer the peer's half (of the flat buffer, or piece by piece of each large gradient), receives the peer's copy
+  of its own half into its part and adds its own: half the bytes of the all-reduce, and no copy of the part out
+  of the buffer; the same sums, a sum of two being the same in either order. From the first clip on, the
+  all-reduce in place returns, since it measures the whole gradients' norms as it goes;
 - each parameter's gradient is copied in (divided by the world size, as DDP divides it) and its ``.grad`` freed
   at once; inside ``no_sync`` gradients accumulate in ``.grad`` as under DDP, and the synchronising backward
   copies the sum;
@@ -70,6 +75,8 @@ SMALL_IN_FLIGHT_BYTES = FIRST_BUCKET_BYTES
 # zero1 at the 10M MLP. Smaller shares save less than a collective of their own costs (a small GPT's blocks, each a
 # few percent of a bucket, were 3% slower reduced one by one)
 DIRECT_MIN_NUMEL = 1 << 16
+# the tags of zero2's exchanges (two ranks, gloo): a range of their own, each operation's the monitor's number above it
+TAG_BASE = 1 << 28
 
 
 def held_at_most(sizes: Sequence[int]) -> int:
@@ -128,7 +135,7 @@ class ReduceScatter(BucketCollective):
         # small ones in a flat buffer of their own (``small_at``: each one's offset in it); a sum of two is the same
         # in any order, so the numbers are the flat buffer's. Elsewhere every bucket keeps its one flat buffer, whose
         # layout is DDP's order of summation at three ranks and more
-        split = self.in_place and self.world_size == 2
+        split = self.pairwise = self.in_place and self.world_size == 2
         self.large = [False] * len(self.params)
         for bucket in self.buckets:
             for i in bucket.indices:
@@ -290,6 +297,8 @@ class ReduceScatter(BucketCollective):
 
     def start(self, b: int, seq: int) -> Any:
         self._ensure(b)
+        if self.exchanges:
+            return self._start_exchange(b, seq)
         if self.split[b]:
             return self._start_split(b, seq)
         if self.in_place:
@@ -315,6 +324,63 @@ class ReduceScatter(BucketCollective):
         self._extra_works[b] = works[1:]
         return works[0][0]
 
+    @property
+    def exchanges(self) -> bool:
+        """Whether this backward's buckets are reduce-scattered by exchanging halves with the peer: at two ranks on
+        gloo, until a clip asks for whole-gradient norms (which the in-place all-reduce measures as it goes)."""
+        return self.pairwise and self.norm_type is None
+
+    def _start_exchange(self, b: int, seq: int) -> Any:
+        """Reduce-scatter bucket ``b`` between two ranks: send the peer its half, receive this rank's half of the
+        peer's gradients into this rank's part (the sum is completed by adding this rank's own: a sum of two is
+        the same in either order, so the numbers are the all-reduce's). Half the bytes an all-reduce moves, and
+        no copy of the part out of the buffer. A split bucket's large parameters are exchanged tensor by tensor,
+        piece by piece; its small ones' buffer is all-reduced. Every rank issues the same operations in the same
+        order, the first numbered ``seq``, the others by the monitor; each send and receive is tagged with its
+        number, so that the peer's matching operation is the one with the same number."""
+        ops: list[tuple[torch.Tensor, int | None]] = []  # (tensor, peer to send it to; None: receive into it)
+        part = self.shards[b].part
+        if self.split[b]:
+            bucket = self.buckets[b]
+            for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
+                if not self.large[i]:
+                    continue
+                flat = self.direct[i].view(-1)
+                for r in range(2):
+                    lo, hi = max(offset, r * part), min(offset + flat.numel(), (r + 1) * part)
+                    if lo < hi:
+                        if r == self.rank:
+                            ops.append((self.grads[b].narrow(0, lo - r * part, hi - lo), None))
+                        else:
+                            ops.append((flat.narrow(0, lo - offset, hi - lo), r))
+        else:
+            for r in range(2):
+                if r == self.rank:
+                    ops.append((self.grads[b], None))
+                else:
+                    ops.append((self.buffers[b].narrow(0, r * part, part), r))
+        works = []
+        peer = dist.get_global_rank(self.group, 1 - self.rank) if self.group is not None else 1 - self.rank
+        for n, (tensor, to) in enumerate(ops):
+            number = seq if n == 0 else self.monitor.launched()
+            if to is None:
+                work = dist.irecv(tensor, src=peer, group=self.group, tag=TAG_BASE + number)
+            else:
+                work = dist.isend(tensor, dst=peer, group=self.group, tag=TAG_BASE + number)
+            works.append((work, number))
+        if self.split[b] and self.small_numel[b]:
+            number = seq if not works else self.monitor.launched()
+            works.append((dist.all_reduce(self.buffers[b], group=self.group, async_op=True), number))
+        # gloo's send and receive Works must be waited for once (a second wait never returns), and the reducer waits
+        # for the handle it is given: it gets one already complete, and every operation is waited for once, by
+        # _finish (the handle's number is the first operation's)
+        handle: Any = torch.futures.Future()
+        handle.set_result(None)
+        self._unfinished.append(b)
+        self._works[b] = (handle, seq)
+        self._extra_works[b] = works
+        return handle
+
     def _settle(self, b: int) -> None:
         """Wait for bucket ``b``'s reduce-scatter and give its buffer back."""
         work, seq = self._works[b]
@@ -329,7 +395,9 @@ class ReduceScatter(BucketCollective):
         """Bucket ``b``'s collective is done: this rank's part kept (from the all-reduced buffer), the buffer freed."""
         for work, seq in self._extra_works.get(b, []):
             self.monitor.wait(work, seq, f"gradient reduce-scatter of bucket {b}")
-        if self.in_place:
+        if self.exchanges:
+            self._add_own_half(b)
+        elif self.in_place:
             if self.split[b]:
                 self._keep_part_split(b)
             else:
@@ -347,6 +415,20 @@ class ReduceScatter(BucketCollective):
             return self.buffers[b].narrow(0, self.small_at[i], self.params[i].numel())
         offset = self.buckets[b].offsets[self.buckets[b].indices.index(i)]
         return self.buffers[b].narrow(0, offset, self.params[i].numel())
+
+    def _add_own_half(self, b: int) -> None:
+        """Complete an exchanged bucket's sum in this rank's part: the peer's half received there, plus this rank's
+        own (a split bucket's small parameters: from their all-reduced buffer)."""
+        part = self.grads[b]
+        if not self.split[b]:
+            part.add_(self.buffers[b].narrow(0, self.rank * self.shards[b].part, self.shards[b].part))
+            return
+        for piece in self.shards[b].pieces[self.rank]:
+            target = part.narrow(0, piece.offset, piece.length)
+            if self.large[piece.param]:
+                target.add_(self.direct[piece.param].view(-1).narrow(0, piece.start, piece.length))
+            else:
+                target.copy_(self._summed(b, piece.param).narrow(0, piece.start, piece.length))
 
     def _keep_part_split(self, b: int) -> None:
         """This rank's part of a split bucket, piece by piece from the parameters' sums (its padding stays 0)."""
