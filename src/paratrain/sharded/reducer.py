@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.collectives import CollectiveMonitor
-from paratrain.comm.process_groups import no_python_in_work
+from paratrain.comm.process_groups import keep_forever, no_python_in_work
 from paratrain.ddp.bucket_collective import BucketCollective
 from paratrain.ddp.buckets import FIRST_BUCKET_BYTES, Bucket
 from paratrain.errors import DistributedError
@@ -215,7 +215,9 @@ class ReduceScatter(BucketCollective):
         if b in self._unfinished:
             self._unfinished.remove(b)
         self._works.pop(b, None)
-        self._extra_works.pop(b, None)
+        extra = self._extra_works.pop(b, [])
+        if not finished:  # a send or receive dropped in flight must not be freed while gloo may still touch it
+            keep_forever(*(work for work, _ in extra))
 
     def copy_in(self, index: int, grad: torch.Tensor) -> None:
         if self.large[index]:
