@@ -139,7 +139,12 @@ def test_dp_on_one_device_says_it_runs_one_replica_and_counts_are_singular(capsy
 @pytest.mark.processes
 @pytest.mark.parametrize(
     "args, lines",
-    [(["train", "--epochs", "3", "--log-every", "1"], 2), (["demo", "--devices", "cpu,cpu,cpu"], 3)],
+    # the demo on 100000 samples writes 1.2 MB, far more than a pipe holds, so it is still writing when the reader
+    # goes (its default 100 samples are 1.4 KB, which a busy machine let it write whole and exit 0 before the close)
+    [
+        (["train", "--epochs", "3", "--log-every", "1"], 2),
+        (["demo", "--devices", "cpu,cpu,cpu", "--data-size", "100000"], 3),
+    ],
 )
 def test_a_closed_pipe_ends_the_command_quietly(args, lines):
     """`paratrain train | head -2`: the reader goes away; the command ends as a Unix tool does, no traceback."""
