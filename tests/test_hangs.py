@@ -168,6 +168,22 @@ def _skipped_line(text: str, script: str = "user_skipped.py") -> int:
 
 
 @pytest.mark.processes
+def test_a_stalled_peer_in_zero2s_exchange_is_named_as_under_ddp(tmp_path):
+    """zero2 at two ranks reduce-scatters by a send and a receive with the peer, not a collective: rank 1 stalls in
+    its second step, and rank 0's receive still ends the job in seconds, its report naming rank 1 and its line."""
+    command = [*_launchers()["paratrain launch"], str(SCRIPTS / "user_hang.py"), "--api", "parallel"]
+    command += ["--strategy", "zero2", "--fault", "sleep", "--timeout", str(TIMEOUT), "--steps", "60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
+    output = done.stdout + done.stderr
+    seconds = _since_fault(output, time.time())
+    assert done.returncode != 0 and seconds < ENDS_WITHIN_S, output[-4000:]
+    assert "rank(s) 1 did not arrive" in output, output[-4000:]
+    report = json.loads((tmp_path / "paratrain-hang-report.json").read_text())
+    assert f"user_hang.py:{_line_of('time.sleep(120)')}" in _rank(report, 1)["user_line"], report
+
+
+@pytest.mark.processes
 def test_a_collective_only_rank_0_makes_is_named_with_its_line_by_rank_0_once(tmp_path):
     """Issue 27: rank 0 all-reduces alone (a bucket's size, so gloo pairs it with rank 1's bucket), rank 1 finishes
     and leaves. Rank 0, ahead in the group's numbers, names the extra collective and its line, once; the launcher's

@@ -31,6 +31,7 @@ import paratrain
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--api", choices=["ddp", "parallel"], default="ddp")
+    parser.add_argument("--strategy", default="ddp", help="Parallel's strategy (--api parallel)")
     parser.add_argument(
         "--fault", choices=["sleep", "stop", "loop", "native", "kill", "only0", "shapes", "slow"], default="sleep"
     )
@@ -44,7 +45,7 @@ def main() -> None:
         model = paratrain.DistributedDataParallel(net, timeout=args.timeout)
         rank = dist.get_rank()
     else:
-        par = paratrain.Parallel("ddp", timeout=args.timeout)
+        par = paratrain.Parallel(args.strategy, timeout=args.timeout)
         model, rank = par.prepare(net), par.rank
     x = torch.randn(8, 4)
     for step in range(args.steps):
