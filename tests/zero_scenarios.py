@@ -425,7 +425,8 @@ def tied_checkpoint(rank: int, world: int, directory: str) -> dict[str, Any]:
 
 
 def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any] | str:
-    """The last rank never steps: the others wait in the all-gather of updated weights, named, within the timeout."""
+    """The last rank never steps: the others' step returns with its all-gathers in flight, and their next forward
+    waits in the first one, named, within the timeout."""
     with paratrain.Parallel("zero2", "cpu", timeout=2) as par:
         net = model()
         net, opt = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -437,6 +438,7 @@ def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any]
         started = time.monotonic()
         try:
             opt.step()
+            net(x[:4])
         except CollectiveError as exc:
             return {"message": str(exc), "seconds": time.monotonic() - started}
         return "no error"
@@ -610,6 +612,63 @@ def first_bucket_overlaps(rank: int, world: int) -> dict[str, int]:
     return found
 
 
+class _Counting(TorchDispatchMode):
+    """A mode of the user's own (a FLOP counter, say), entered around a step and left before the next forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def weights_in_flight(rank: int, world: int) -> dict[str, Any]:
+    """The step returns with its all-gathers in flight; a read of the weights before the next forward (here an EMA
+    copy, at once) waits for its bucket and sees the updated weights whole, although the peer steps late."""
+    found: dict[str, Any] = {}
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 600))
+        model = ZeroDataParallel(net, stage)
+        opt = shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), model)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+        model(x).square().mean().backward()
+        grads = [g.clone() for g in model.full_gradients()]
+        expected = [p.detach() - 0.5 * g for p, g in zip(model.reducer.params, grads, strict=True)]
+        if rank == 1:
+            time.sleep(0.5)  # the peer's all-gathers start late: without the wait, rank 0 would read its old half
+        opt.step()
+        in_flight = model.in_flight
+        deferred, pending = in_flight.deferred, in_flight.pending
+        read = [p.detach().clone() for p in model.reducer.params]  # an EMA's copy, right after the step
+        whole = all(torch.equal(a, b) for a, b in zip(read, expected, strict=True))
+        reads = in_flight.read_waits
+        opt.zero_grad()
+        model(x).square().mean().backward()  # the next step's forward: nothing is in flight after it
+        left = (in_flight.pending, torch._C._len_torch_dispatch_stack())
+        opt.step()
+        forward_waits = in_flight.read_waits  # the forward's first layer waits for its bucket, and so on
+        model(x)
+        # a mode of the user's own around the step: the step waits for its all-gathers, as before, and the
+        # user's mode leaves the stack as it came
+        counting = _Counting()
+        with counting:
+            opt.step()
+        found[f"zero{stage}"] = {
+            "deferred": deferred,
+            "pending_after_step": pending,
+            "read_whole": whole,
+            "read_waits": reads,
+            "after_forward": left,
+            "forward_waits": in_flight.read_waits - forward_waits,
+            "user_mode": (in_flight.pending, torch._C._len_torch_dispatch_stack(), counting.ops > 0),
+        }
+        model.close()
+    return found
+
+
 def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Every scenario that leaves the process group usable, in one set of processes (start-up is slow)."""
     direct = {"owned": 0, "copied": 0}
@@ -628,6 +687,7 @@ def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
         "torch_utilities": torch_utilities(rank, world),
         "peak_memory": peak_memory(rank, world),
         "first_bucket_overlaps": first_bucket_overlaps(rank, world),
+        "weights_in_flight": weights_in_flight(rank, world),
     }
 
 

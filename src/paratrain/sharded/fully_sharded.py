@@ -441,8 +441,11 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             unit.wait_gather(self.monitor)  # a prefetch in flight: every rank started it alike
         unit.free()
 
-    def wait_gathers(self) -> None:
-        """Nothing to wait for (see :meth:`launch_gather`)."""
+    def gathers_launched(self) -> None:
+        """Nothing in flight (see :meth:`launch_gather`)."""
+
+    def weights_needed(self) -> None:
+        """Nothing in flight: the shards are the weights."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Clear this rank's gradients, and the whole gradients kept inside ``no_sync``."""

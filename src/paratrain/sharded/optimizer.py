@@ -9,9 +9,11 @@
 Each parameter group holds this rank's pieces of the group's parameters (:class:`OwnedPiece`: 1-d views of the
 weights' flat buffers, so an update in place is an update of the model), which may be none. A step runs the
 user's class's own update bucket by bucket, starting each bucket's all-gather of the updated weights as soon as
-its pieces are updated, and returns when every rank holds the whole model again. The update of one element must
-depend only on that element's gradient and state, which holds for the classes in :data:`ELEMENTWISE`; others
-are refused by name (a class of the user's own may declare ``paratrain_elementwise = True``).
+its pieces are updated (the first layers' first), and returns with them in flight: the next forward, or any
+read of the weights before it, waits for each bucket as it needs it (:mod:`paratrain.sharded.in_flight`). The
+update of one element must depend only on that element's gradient and state, which holds for the classes in
+:data:`ELEMENTWISE`; others are refused by name (a class of the user's own may declare
+``paratrain_elementwise = True``).
 
 State dicts: :meth:`ShardedOptimizer.state_dict` is this rank's, for this layout only;
 :meth:`ShardedOptimizer.sharded_state_dict` is the checkpoint's canonical form (torch's format, indexed as the
@@ -101,7 +103,9 @@ class ShardSource(Protocol):
 
     def launch_gather(self, bucket: int) -> None: ...
 
-    def wait_gathers(self) -> None: ...
+    def gathers_launched(self) -> None: ...
+
+    def weights_needed(self) -> None: ...
 
     def zero_grad(self, set_to_none: bool) -> None: ...
 
@@ -370,12 +374,16 @@ class _Shard:
             value.grad = self.source.piece_grad(piece)
 
     def step(self, optimizer: ShardedOptimizer, kwargs: dict[str, Any]) -> None:
+        self.source.weights_needed()  # the last step's all-gathers, when no forward waited for them
         self.assign_grads()
         update = _unhooked(self.base.step)
         groups = optimizer.param_groups
         kept = [g["params"] for g in groups]
         try:
-            for b, lists in enumerate(self.by_bucket):
+            # the last bucket first: buckets hold the parameters in reverse order, and the next forward needs the
+            # first layers' weights first
+            for b in reversed(range(len(self.by_bucket))):
+                lists = self.by_bucket[b]
                 if any(lists):
                     for group, params in zip(groups, lists, strict=True):
                         group["params"] = params
@@ -384,7 +392,7 @@ class _Shard:
         finally:
             for group, params in zip(groups, kept, strict=True):
                 group["params"] = params
-        self.source.wait_gathers()
+        self.source.gathers_launched()
 
     def canonical(self, optimizer: ShardedOptimizer) -> dict[str, Any]:
         state: dict[int, dict[str, Any]] = {}

@@ -37,6 +37,7 @@ from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
+from paratrain.sharded.in_flight import WeightsInFlight
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
 from paratrain.sharded.partition import BucketShards, shard_bucket
 from paratrain.sharded.reducer import ReduceScatter, all_gather_into
@@ -103,7 +104,8 @@ class ZeroDataParallel(DistributedDataParallel):
         self._start_in_bucket = {
             i: offset for bucket in reducer.buckets for i, offset in zip(bucket.indices, bucket.offsets, strict=True)
         }
-        self._gathers: list[tuple[int, Any, int]] = []  # (bucket, Work, collective number) not waited for yet
+        self._gathers: list[tuple[int, Any, int]] = []  # (bucket, Work, collective number) launched by this step
+        self.in_flight = WeightsInFlight(self.flat, self.monitor)  # the step's all-gathers, until they are needed
         self._synchronised: list[Callable[[], None]] = []
         reducer.on_synchronised = self._after_sync
 
@@ -163,11 +165,27 @@ class ZeroDataParallel(DistributedDataParallel):
             work = all_gather_into(buffer, part, self.process_group)
         self._gathers.append((bucket, work, seq))
 
-    def wait_gathers(self) -> None:
-        """Wait for every all-gather started: from here on every rank holds the whole model."""
+    def gathers_launched(self) -> None:
+        """The step launched every bucket's all-gather: they stay in flight until the weights are read, every read
+        waiting for its bucket first (:mod:`paratrain.sharded.in_flight`); the next forward needs them last."""
         gathers, self._gathers = self._gathers, []
-        for b, work, seq in gathers:
-            self.monitor.wait(work, seq, f"all-gather of updated parameters, bucket {b}")
+        self.in_flight.hold(gathers)
+
+    def weights_needed(self) -> None:
+        """Wait for every all-gather in flight: from here on every rank holds the whole model."""
+        self.in_flight.settle()
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """DDP's forward; the weights' all-gathers still in flight are waited for as each bucket is reached, and
+        all of them by the time it returns (backward never runs with any in flight)."""
+        try:
+            outputs = super().forward(*inputs, **kwargs)
+        except BaseException:
+            if self.monitor.failure is None:
+                self.in_flight.settle()
+            raise
+        self.in_flight.settle()
+        return outputs
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Clear the gradients: the model's ``.grad`` (zero1: views of the buckets) and this rank's parts."""
@@ -265,6 +283,15 @@ class ZeroDataParallel(DistributedDataParallel):
             f"communication hooks are not supported under zero{self.stage}: its gradients are reduce-scattered, "
             f"and a hook replaces an all-reduce; use strategy ddp or zero1 for a hook"
         )
+
+    def close(self) -> None:
+        """DDP's close; an all-gather still in flight is waited for first (and left to gloo after a failure)."""
+        try:
+            if self.monitor.failure is None:
+                self.in_flight.settle()
+        finally:
+            self.in_flight.drop()
+            super().close()
 
     def __getstate__(self) -> dict[str, Any]:
         raise DistributedError(
