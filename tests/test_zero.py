@@ -61,15 +61,16 @@ def test_the_small_first_bucket_reduces_while_the_next_one_fills(two):
 
 
 def test_the_step_leaves_its_all_gathers_in_flight_and_every_read_of_the_weights_waits_for_them(two):
-    for rank in two:
+    for index, rank in enumerate(two):
         for stage in ("zero1", "zero2"):
             r = rank["weights_in_flight"][stage]
             assert r["deferred"] > 0 and r["pending_after_step"], r  # step() returned before its all-gathers
-            # an EMA's copy right after step(), the peer stepping half a second late: it waited, and is whole
+            # an EMA's copy right after step(), the peer stepping only after it returned: it waited, and is whole
             assert r["read_whole"], r
             assert r["read_waits"] > 0, r
             assert r["after_forward"] == [False, 0], r  # the forward waited for them all; the mode is gone
-            assert r["forward_waits"] > 0, r
+            if index == 0:  # the peer stepped only once this rank's forward had begun: its first layer waited
+                assert r["forward_waits"] > 0, r
             # a mode of the user's own around step(): the step waits as before, the stack is as the user left it
             assert r["user_mode"] == [False, 0, True], r
 

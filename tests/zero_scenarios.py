@@ -624,10 +624,26 @@ class _Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def weights_in_flight(rank: int, world: int) -> dict[str, Any]:
+def _signal(path: Path) -> None:
+    path.touch()
+
+
+def _await(path: Path) -> None:
+    """Wait until the peer has reached the point that ``path`` marks (a condition, with a generous deadline)."""
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def weights_in_flight(rank: int, world: int, directory: str) -> dict[str, Any]:
     """The step returns with its all-gathers in flight; a read of the weights before the next forward (here an EMA
-    copy, at once) waits for its bucket and sees the updated weights whole, although the peer steps late."""
+    copy, at once) waits for what it reads and sees the updated weights whole, although the peer steps only after
+    rank 0 returned from its step; rank 0's next forward waits in its first layer for the peer, who steps only once
+    that forward has begun."""
     found: dict[str, Any] = {}
+    marks = Path(directory) / "in-flight"
+    marks.mkdir(parents=True, exist_ok=True)
     for stage in (1, 2):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 600))
@@ -638,8 +654,10 @@ def weights_in_flight(rank: int, world: int) -> dict[str, Any]:
         grads = [g.clone() for g in model.full_gradients()]
         expected = [p.detach() - 0.5 * g for p, g in zip(model.reducer.params, grads, strict=True)]
         if rank == 1:
-            time.sleep(0.5)  # the peer's all-gathers start late: without the wait, rank 0 would read its old half
+            _await(marks / f"stepped-{stage}")  # rank 0's step has returned: its all-gathers wait for this rank's
         opt.step()
+        if rank == 0:
+            _signal(marks / f"stepped-{stage}")
         in_flight = model.in_flight
         deferred, pending = in_flight.deferred, in_flight.pending
         read = [p.detach().clone() for p in model.reducer.params]  # an EMA's copy, right after the step
@@ -648,9 +666,14 @@ def weights_in_flight(rank: int, world: int) -> dict[str, Any]:
         opt.zero_grad()
         model(x).square().mean().backward()  # the next step's forward: nothing is in flight after it
         left = (in_flight.pending, torch._C._len_torch_dispatch_stack())
+        if rank == 1:
+            _await(marks / f"forward-{stage}")  # rank 0's next forward has begun, past its first check
         opt.step()
-        forward_waits = in_flight.read_waits  # the forward's first layer waits for its bucket, and so on
-        model(x)
+        waits_before = in_flight.read_waits
+        begun_mark = marks / f"forward-{stage}"
+        begun = net[0].register_forward_pre_hook(lambda *_, m=begun_mark: _signal(m) if rank == 0 else None)
+        model(x)  # rank 0's first layer waits for the peer's all-gather of it
+        begun.remove()
         # a mode of the user's own around the step: the step waits for its all-gathers, as before, and the
         # user's mode leaves the stack as it came
         counting = _Counting()
@@ -662,7 +685,7 @@ def weights_in_flight(rank: int, world: int) -> dict[str, Any]:
             "read_whole": whole,
             "read_waits": reads,
             "after_forward": left,
-            "forward_waits": in_flight.read_waits - forward_waits,
+            "forward_waits": in_flight.read_waits - waits_before,
             "user_mode": (in_flight.pending, torch._C._len_torch_dispatch_stack(), counting.ops > 0),
         }
         model.close()
@@ -687,7 +710,7 @@ def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
         "torch_utilities": torch_utilities(rank, world),
         "peak_memory": peak_memory(rank, world),
         "first_bucket_overlaps": first_bucket_overlaps(rank, world),
-        "weights_in_flight": weights_in_flight(rank, world),
+        "weights_in_flight": weights_in_flight(rank, world, directory),
     }
 
 

@@ -30,6 +30,7 @@ a mode entered around the step and left before the next forward would otherwise 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,31 +40,58 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from paratrain.comm.collectives import CollectiveMonitor
 from paratrain.comm.process_groups import keep_forever
 
-__all__ = ["WeightsInFlight"]
+__all__ = ["CHUNK_ELEMENTS", "Gather", "WeightsInFlight", "chunks"]
+
+CHUNK_ELEMENTS = 1 << 20  # the most elements of each rank's part that one all-gather carries (4 MiB of fp32)
+
+
+def chunks(part: int, most: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
+    """``[0, part)`` cut into near-equal ranges of at most ``most`` elements, the highest first.
+
+    Every rank's part of a bucket is gathered range by range, the same range of each part at once. A bucket holds
+    its parameters in reverse order, so the highest range of the last part holds the first layers: gathered first,
+    the forward's first layer waits for it alone."""
+    if part <= 0:
+        return []
+    count = -(-part // most)
+    bounds = [part * i // count for i in range(count + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in reversed(range(count))]
+
+
+@dataclass
+class Gather:
+    """One all-gather in flight: range ``[lo, hi)`` of every rank's part of bucket ``bucket``."""
+
+    bucket: int
+    lo: int
+    hi: int
+    work: Any
+    seq: int
 
 
 class WeightsInFlight:
     """The all-gathers of updated weights not waited for yet, and the mode that makes reads of them wait."""
 
-    def __init__(self, buffers: Sequence[torch.Tensor], monitor: CollectiveMonitor) -> None:
+    def __init__(self, buffers: Sequence[torch.Tensor], parts: Sequence[int], monitor: CollectiveMonitor) -> None:
         self._monitor = monitor
+        self._buffers = list(buffers)
+        self._parts = list(parts)
         self._bucket_of = {_storage(t): b for b, t in enumerate(buffers) if t.numel()}
-        self._pending: dict[int, tuple[Any, int]] = {}  # bucket -> (Work, collective number), in launch order
+        self._pending: list[Gather] = []  # in launch order
         self._mode: _ReadsWait | None = None  # entered while anything is in flight (or until it can leave)
         self._hook: Any = None  # a forward pre-hook on every module, while the mode is entered: poll()
         self.deferred = 0  # all-gathers that a step left in flight (tests count them)
-        self.read_waits = 0  # buckets an operation waited for before it ran
+        self.read_waits = 0  # all-gathers an operation waited for before it ran
 
     @property
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def hold(self, gathers: Sequence[tuple[int, Any, int]]) -> None:
-        """``gathers`` were launched: leave them in flight, every read of their buckets waiting for them first.
+    def hold(self, gathers: Sequence[Gather]) -> None:
+        """``gathers`` were launched: leave them in flight, every read of what they write waiting for them first.
 
         Waits for them at once instead when another dispatch mode is active (see the module docstring)."""
-        for b, work, seq in gathers:
-            self._pending[b] = (work, seq)
+        self._pending.extend(gathers)
         if not self._pending:
             return
         if self._mode is None and torch._C._len_torch_dispatch_stack() > 0:
@@ -76,44 +104,53 @@ class WeightsInFlight:
             self._hook = register_module_forward_pre_hook(lambda module, args: self.poll())
 
     def wait_for(self, tensors: Sequence[Any]) -> None:
-        """Wait for the all-gather of every bucket in flight that one of ``tensors`` (or a list of them) touches."""
+        """Wait for every all-gather in flight that writes what one of ``tensors`` (or a list of them) covers."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 b = self._bucket_of.get(_storage(t))
-                if b is not None and b in self._pending:
-                    self.read_waits += 1
-                    self._wait(b)
+                if b is not None:
+                    self._wait_covering(b, t)
             elif isinstance(t, (list, tuple)):
                 self.wait_for(t)
             if not self._pending:
                 return
 
+    def _wait_covering(self, b: int, t: torch.Tensor) -> None:
+        part, buffer = self._parts[b], self._buffers[b]
+        whole = not t.is_contiguous() or t.dtype != buffer.dtype  # its extent is not one range: all of the bucket
+        start = t.storage_offset()
+        end = start + t.numel()
+        for gather in [g for g in self._pending if g.bucket == b]:
+            ranks = range(-(-end // part)) if not whole else ()
+            if whole or any(start < r * part + gather.hi and r * part + gather.lo < end for r in ranks):
+                self.read_waits += 1
+                self._wait(gather)
+
     def poll(self) -> None:
         """Finish the all-gathers already done; leave the mode when none is in flight."""
-        for b, (work, _) in list(self._pending.items()):
-            if not work.is_completed():
-                break  # gloo completes a group's collectives in launch order
-            self._wait(b)
+        while self._pending and self._pending[0].work.is_completed():  # gloo completes them in launch order
+            self._wait(self._pending[0])
         if not self._pending:
             self._leave()
 
     def settle(self) -> None:
         """Wait for every all-gather in flight, and leave the mode: from here on the weights are whole."""
-        for b in list(self._pending):
-            self._wait(b)
+        while self._pending:
+            self._wait(self._pending[0])
         self._leave()
 
     def drop(self) -> None:
         """Stop tracking what is in flight, without waiting (the job is ending on an error): gloo may still write
         into the buffers, so each Work is kept to the end of the process."""
-        for work, _ in self._pending.values():
-            keep_forever(work)
+        for gather in self._pending:
+            keep_forever(gather.work)
         self._pending.clear()
         self._leave()
 
-    def _wait(self, b: int) -> None:
-        work, seq = self._pending.pop(b)
-        self._monitor.wait(work, seq, f"all-gather of updated parameters, bucket {b}")
+    def _wait(self, gather: Gather) -> None:
+        self._pending.remove(gather)
+        what = f"all-gather of updated parameters, bucket {gather.bucket}"
+        self._monitor.wait(gather.work, gather.seq, what)
 
     def _leave(self) -> None:
         mode = self._mode

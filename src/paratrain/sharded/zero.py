@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
@@ -37,7 +38,7 @@ from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
-from paratrain.sharded.in_flight import WeightsInFlight
+from paratrain.sharded.in_flight import Gather, WeightsInFlight, chunks
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
 from paratrain.sharded.partition import BucketShards, shard_bucket
 from paratrain.sharded.reducer import ReduceScatter, all_gather_into
@@ -104,8 +105,9 @@ class ZeroDataParallel(DistributedDataParallel):
         self._start_in_bucket = {
             i: offset for bucket in reducer.buckets for i, offset in zip(bucket.indices, bucket.offsets, strict=True)
         }
-        self._gathers: list[tuple[int, Any, int]] = []  # (bucket, Work, collective number) launched by this step
-        self.in_flight = WeightsInFlight(self.flat, self.monitor)  # the step's all-gathers, until they are needed
+        self._gathers: list[Gather] = []  # launched by this step
+        # the step's all-gathers, until they are needed
+        self.in_flight = WeightsInFlight(self.flat, [s.part for s in self.shards], self.monitor)
         self._synchronised: list[Callable[[], None]] = []
         reducer.on_synchronised = self._after_sync
 
@@ -157,13 +159,19 @@ class ZeroDataParallel(DistributedDataParallel):
         return self.reducer.collective.buffers[b].narrow(0, at, piece.length)
 
     def launch_gather(self, bucket: int) -> None:
-        """Start the all-gather that gives every rank bucket ``bucket``'s updated weights from their owners."""
+        """Start the all-gathers that give every rank bucket ``bucket``'s updated weights from their owners: range by
+        range of the parts, the range holding the first layers first (:func:`paratrain.sharded.in_flight.chunks`)."""
         shards, buffer = self.shards[bucket], self.flat[bucket]
-        part = buffer.narrow(0, self.rank * shards.part, shards.part)
-        seq = self.monitor.launched()
-        with no_python_in_work():
-            work = all_gather_into(buffer, part, self.process_group)
-        self._gathers.append((bucket, work, seq))
+        world, part = self.world_size, shards.part
+        for lo, hi in chunks(part):
+            outputs = [buffer.narrow(0, r * part + lo, hi - lo) for r in range(world)]
+            seq = self.monitor.launched()
+            with no_python_in_work():
+                if hi - lo == part:
+                    work = all_gather_into(buffer, outputs[self.rank], self.process_group)
+                else:
+                    work = dist.all_gather(outputs, outputs[self.rank], group=self.process_group, async_op=True)
+            self._gathers.append(Gather(bucket, lo, hi, work, seq))
 
     def gathers_launched(self) -> None:
         """The step launched every bucket's all-gather: they stay in flight until the weights are read, every read
