@@ -94,6 +94,40 @@ def main() -> int:
             180,
         ),
         (
+            "train zero1 on the gpu",
+            [
+                py,
+                "-m",
+                "paratrain",
+                "train",
+                "--strategy",
+                "zero1",
+                "--nproc-per-node",
+                "1",
+                "--quiet",
+                "--metrics-out",
+                str(out / "train_zero1_gpu.json"),
+            ],
+            180,
+        ),
+        (
+            "train zero2 on the gpu",
+            [
+                py,
+                "-m",
+                "paratrain",
+                "train",
+                "--strategy",
+                "zero2",
+                "--nproc-per-node",
+                "1",
+                "--quiet",
+                "--metrics-out",
+                str(out / "train_zero2_gpu.json"),
+            ],
+            180,
+        ),
+        (
             "train zero3 on the gpu",
             [
                 py,
@@ -109,6 +143,22 @@ def main() -> int:
                 str(out / "train_zero3_gpu.json"),
             ],
             180,
+        ),
+        (
+            "zero memory on the gpu (torch.cuda.max_memory_allocated)",
+            [
+                py,
+                "benchmarks/bench_zero_memory.py",
+                "--models",
+                "mlp 10M",
+                "--min-world-size",
+                "1",
+                "--max-world-size",
+                "1",
+                "--out",
+                str(out / "zero_memory_gpu.json"),
+            ],
+            240,
         ),
     ]
     results = {label: run(label, command, timeout) for label, command, timeout in steps}
