@@ -8,7 +8,8 @@ import select
 
 import pytest
 
-from paratrain.tools.bench import ConfigTiming
+from paratrain.tools.bench import ConfigTiming, round_step, summarise_timings
+from paratrain.tools.configs import parse_configs
 from paratrain.tools.plan_fit import CommFit, MeasuredPoint, compute_factor, fit_errors, fit_overhead
 from paratrain.tools.plan_model import ScalingRow, ring_factor
 from paratrain.tools.plan_progress import PhaseProgress
@@ -90,6 +91,17 @@ def test_rounds_settle_once_two_or_more_agree():
     assert rounds_settled([0.100, 0.130, 0.104, 0.101, 0.102], 0.35) and not rounds_settled([0.1, 0.13, 0.1], 0.2)
 
 
+def test_a_rounds_step_is_its_throughput_the_mean_not_the_median():
+    """Under ddp every rank waits for the slowest rank's step: a few slow steps are part of what train measures."""
+    steps = [0.004, 0.004, 0.004, 0.004, 0.014]  # one step in five waits 10 ms longer: 6 ms a step on average
+    run = {"phases": {"data": [0.0] * 5, "forward": steps, "backward": [0.0] * 5, "optimizer": [0.0] * 5}}
+    assert round_step(run) == pytest.approx(0.006)
+    (timing,) = summarise_timings(parse_configs(["single"]), {"single": [run, run]}, {}, batch_size=60)
+    assert timing.step_seconds == pytest.approx(0.006)
+    assert timing.samples_per_second == pytest.approx(60 / 0.006)  # what train's samples over time gives
+    assert timing.phase_seconds["forward"] == pytest.approx(0.006)
+
+
 def _rows() -> list[ScalingRow]:
     return [
         ScalingRow(1, 64, 0.100, 640.0, 1.0, 1.0, 0.0, 0.0, "measured", None),
@@ -135,7 +147,7 @@ def test_the_budget_notes_say_whether_a_longer_budget_would_change_the_answer():
     notes = budget_notes(moving, settings, asked_steps=10, budget=40.0)
     assert "--budget" not in notes[0] and "fewer rounds" not in notes[0]  # not cut, every round run
     assert "; ddp:2 took more than --steps 10, so that a round lasts about 1 s" in notes[0]
-    assert notes[1].startswith("a longer budget would likely change the answer: the repeats' medians spread (single")
+    assert notes[1].startswith("a longer budget would likely change the answer: the repeats' steps spread (single")
     assert "ddp:2" not in notes[1]
 
 

@@ -51,7 +51,8 @@ TOOLS = (
         "BenchConfig",
         "measure samples/s, speed-up and efficiency of every configuration, with a time breakdown",
         "Time each configuration (warm-up, then timed steps, repeated round robin), split each step into data "
-        "wait, forward, backward with the synchronisation it does not hide, and optimizer; report medians, "
+        "wait, forward, backward with the synchronisation it does not hide, and optimizer; report each repeat's mean "
+        "step (its throughput) and the median over repeats, "
         "samples/s, speed-up and efficiency against single. Writes JSON, Markdown and a PNG plot.",
     ),
     Tool(

@@ -8,15 +8,16 @@
 Each configuration runs ``--warmup`` untimed steps, then ``--steps`` timed ones, and that ``--repeats`` times,
 round robin over the configurations (the order rotating each round) so that drift of a shared machine hits all of
 them alike. Each step is split into data wait, forward (with the loss), backward (with the synchronisation it
-does not hide) and optimizer; the report gives medians over steps and repeats, samples/s, and speed-up and
-scaling efficiency against ``single``, which is added when not listed.
+does not hide) and optimizer; the report gives each repeat's mean step (its throughput, as ``train`` counts
+samples/s: a median would leave out the slow steps every ddp rank waits for), the median over repeats,
+samples/s, and speed-up and scaling efficiency against ``single``, which is added when not listed.
 
 Every configuration computes with the threads ``paratrain train`` would give it (one process: the cores it may
 use; dp's CPU replicas: the cores shared among them; launched ranks: what the launcher set), so that ``single`` is
 not measured with OpenMP threads spinning beside other work. The report records the threads, the cores and the
 load average before and after, and marks a configuration **unreliable**, in the table and the JSON, when its
 figures cannot be true or did not hold still: an efficiency above 100% (N devices more than N times faster than
-one, which a busy baseline fakes), or a median step that moved between repeats by more than
+one, which a busy baseline fakes), or a step that moved between repeats by more than
 :data:`~paratrain.tools.plan_report.MOVED_BOUND` of itself.
 """
 
@@ -60,7 +61,7 @@ __all__ = [
 ]
 
 PHASES = ("data", "forward", "backward", "optimizer")
-MIN_TIMED_STEPS = 3  # a run cut short by plan's budget still times this many steps (a median of 3)
+MIN_TIMED_STEPS = 3  # a run cut short by plan's budget still times this many steps
 
 
 @dataclass
@@ -193,7 +194,8 @@ def agreed(par: Parallel, count: int) -> int:
 
 @dataclass
 class ConfigTiming:
-    """One configuration's medians; speed-up and efficiency are against single's step time."""
+    """One configuration's figures (the median over repeats of each repeat's mean); speed-up and efficiency are
+    against single's step time."""
 
     config: str
     strategy: str
@@ -205,14 +207,14 @@ class ConfigTiming:
     samples_per_second: float = 0.0
     speedup: float = 0.0
     efficiency: float = 0.0
-    repeat_step_seconds: list[float] = field(default_factory=list)  # the median step of each repeat
+    repeat_step_seconds: list[float] = field(default_factory=list)  # the mean step of each repeat (round_step)
     threads_per_process: int = 0
     timed_steps: int = 0  # timed steps per repeat (the fewest of any repeat)
     unreliable: list[str] = field(default_factory=list)  # why these figures cannot be trusted, if they cannot
 
     @property
     def moved(self) -> float:
-        """How far the repeats' median steps spread, as a fraction of the median (0 with one repeat)."""
+        """How far the repeats' steps spread, as a fraction of their median (0 with one repeat)."""
         steps = self.repeat_step_seconds
         return (max(steps) - min(steps)) / self.step_seconds if len(steps) > 1 and self.step_seconds else 0.0
 
@@ -225,7 +227,7 @@ class ConfigTiming:
                 "one, more than they can be (the baseline ran slow)"
             )
         if self.moved > bound:
-            self.unreliable.append(f"its median step moved by {self.moved:.0%} between repeats (more than {bound:.0%})")
+            self.unreliable.append(f"its step moved by {self.moved:.0%} between repeats (more than {bound:.0%})")
 
 
 @dataclass
@@ -293,7 +295,8 @@ class BenchReport:
         s = self.settings
         lines = [
             format_table(headers, rows),
-            f"medians of {s['repeats']} round-robin repeats x {s['steps']} steps after {s['warmup']} warm-up steps; "
+            f"each repeat's mean step (its throughput), the median of {s['repeats']} round-robin repeats x "
+            f"{s['steps']} steps after {s['warmup']} warm-up steps; "
             f"global batch {s['batch_size']}; phases in ms per step; threads per process",
             *self.notes,
             *self.warnings(),
@@ -318,29 +321,33 @@ class BenchReport:
         return format_markdown(headers, rows) + "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
+def round_step(run: dict[str, Any]) -> float:
+    """A repeat's step: the mean of its timed steps, which is its samples/s as ``train`` counts them (samples over
+    time). A median would leave out the slow steps, and under ddp every rank waits for the slowest rank's step, so
+    ddp's steps are skewed: its median was 10-15% under the throughput train then measured."""
+    return statistics.fmean(sum(step) for step in zip(*run["phases"].values(), strict=True))
+
+
 def _spread(runs: list[dict[str, Any]]) -> float:
-    """How far the runs' median steps spread, as a fraction of their median (what :attr:`ConfigTiming.moved` is)."""
-    medians = [statistics.median(sum(step) for step in zip(*run["phases"].values(), strict=True)) for run in runs]
-    middle = statistics.median(medians) if medians else 0.0
-    return (max(medians) - min(medians)) / middle if len(medians) > 1 and middle > 0 else 0.0
+    """How far the runs' steps spread, as a fraction of their median (what :attr:`ConfigTiming.moved` is)."""
+    steps = [round_step(run) for run in runs]
+    middle = statistics.median(steps) if steps else 0.0
+    return (max(steps) - min(steps)) / middle if len(steps) > 1 and middle > 0 else 0.0
 
 
 def _summarise(config: RunConfig, runs: list[dict[str, Any]], batch_size: int) -> ConfigTiming:
-    per_repeat = []
-    phase_medians: dict[str, list[float]] = {name: [] for name in PHASES}
+    per_repeat = [round_step(run) for run in runs]
+    phase_means: dict[str, list[float]] = {name: [] for name in PHASES}
     for run in runs:
-        phases = run["phases"]
-        totals = [sum(values) for values in zip(*(phases[n] for n in PHASES), strict=True)]
-        per_repeat.append(statistics.median(totals))
         for name in PHASES:
-            phase_medians[name].append(statistics.median(phases[name]))
+            phase_means[name].append(statistics.fmean(run["phases"][name]))
     step = statistics.median(per_repeat)
     return ConfigTiming(
         config.word,
         config.strategy,
         config.device_count,
         step_seconds=step,
-        phase_seconds={name: statistics.median(v) for name, v in phase_medians.items()},
+        phase_seconds={name: statistics.median(v) for name, v in phase_means.items()},
         samples_per_second=batch_size / step,
         repeat_step_seconds=per_repeat,
         threads_per_process=int(runs[0].get("threads", 0)),

@@ -219,7 +219,7 @@ def describe_assumptions(
     assumptions.append(
         f"measured: world sizes {_sizes(measured)} ran the real job here ({words}: global batch {config.batch_size} "
         f"split N ways, the user's model, data and optimizer, at the threads paratrain train gives each process, "
-        f"{where}); each row is that run's median step"
+        f"{where}); each row is that run's step, the median of its rounds' mean steps"
     )
     if not beyond:
         return assumptions

@@ -8,13 +8,15 @@ Each size runs the user's job (model, data, batch, optimizer, clipping) through 
 (:class:`paratrain.tools.bench.TimedSteps`): single in this process, ``ddp:N`` in N processes the launcher starts as
 ``paratrain train`` does, each at the threads train gives it. One run per size (one launch: starting N processes
 and building the model cost more than a few steps of most models) runs ``--warmup`` untimed steps, then up to
-``--repeats`` rounds of timed steps (:func:`run_rounds_in`), and stops after two once the rounds' medians agree
+``--repeats`` rounds of timed steps (:func:`run_rounds_in`), and stops after two once the rounds' steps agree
 within :data:`SPREAD_NOTE` (every rank agreeing). A round takes the steps that fit its share of plan's
-``--budget``: fewer than ``--steps`` for a slow model (at least one: with two rounds or more the median is still
+``--budget``: fewer than ``--steps`` for a slow model (at least one: with two rounds or more the figure is still
 of two steps or more, and the rounds' agreement says whether more would move it), more for a step so short that
-``--steps`` of them would last less than :data:`MIN_ROUND_SECONDS` (a median of ten 1 ms steps is the load of
-those 10 ms). The largest size's run also times the all-reduce between its processes
-(:func:`paratrain.tools.allreduce_probe.measure`) when plan extrapolates, instead of a launch of its own.
+``--steps`` of them would last less than :data:`MIN_ROUND_SECONDS` (ten 1 ms steps measure the load of those
+10 ms). A round's step is the mean of its steps, its throughput as train counts it
+(:func:`paratrain.tools.bench.round_step`); the size's figure is the median of its rounds. The largest size's
+run also times the all-reduce between its processes (:func:`paratrain.tools.allreduce_probe.measure`) when plan
+extrapolates, instead of a launch of its own.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from paratrain.tools.bench import (
     ConfigTiming,
     TimedSteps,
     agreed,
+    round_step,
     summarise_timings,
 )
 from paratrain.tools.configs import RunConfig, parse_configs, unavailable_reason
@@ -56,9 +59,9 @@ __all__ = [
     "run_words",
 ]
 
-# repeats of a measured size whose medians spread more than this: more steps would likely move its figure
+# repeats of a measured size whose steps spread more than this: more steps would likely move its figure
 SPREAD_NOTE = 0.10
-# a round of steps shorter than this takes more than --steps (within its share of --budget): a tiny step's median
+# a round of steps shorter than this takes more than --steps (within its share of --budget): a tiny step's mean
 # over a few milliseconds is the machine's load at that moment, not the step
 MIN_ROUND_SECONDS = 1.0
 
@@ -97,12 +100,12 @@ def round_steps(asked: int, step_seconds: float, round_seconds: float | None) ->
     return steps
 
 
-def rounds_settled(medians: list[float], settle: float) -> bool:
-    """Whether two or more rounds' median steps agree within ``settle`` of their median (more would not move it)."""
-    if len(medians) < 2:
+def rounds_settled(steps: list[float], settle: float) -> bool:
+    """Whether two or more rounds' steps agree within ``settle`` of their median (more would not move it)."""
+    if len(steps) < 2:
         return False
-    middle = statistics.median(medians)
-    return middle > 0 and (max(medians) - min(medians)) / middle <= settle
+    middle = statistics.median(steps)
+    return middle > 0 and (max(steps) - min(steps)) / middle <= settle
 
 
 def run_rounds_in(par: Parallel, settings: BenchConfig, extra: dict[str, Any]) -> dict[str, Any]:
@@ -136,8 +139,8 @@ def run_rounds_in(par: Parallel, settings: BenchConfig, extra: dict[str, Any]) -
                     steps = agreed(par, round_steps(settings.steps, sum(spent.values()), round_seconds))
                 i += 1
             runs.append({"phases": phases, "steps": steps, "warmup": warmup, "threads": torch.get_num_threads()})
-            medians = [statistics.median(map(sum, zip(*r["phases"].values(), strict=True))) for r in runs]
-            if agreed(par, int(rounds_settled(medians, float(extra.get("settle", 0.0))))):
+            steps_seen = [round_step(r) for r in runs]
+            if agreed(par, int(rounds_settled(steps_seen, float(extra.get("settle", 0.0))))):
                 break
         link: list[list[float]] = []
         if extra.get("link_sizes") and par.world_size > 1:
@@ -208,7 +211,7 @@ def budget_notes(timings: list[ConfigTiming], settings: TimingSettings, asked_st
     if spread:
         listed = ", ".join(f"{t.config} {t.moved:.0%}" for t in spread)
         notes.append(
-            f"a longer budget would likely change the answer: the repeats' medians spread ({listed}, more than "
+            f"a longer budget would likely change the answer: the repeats' steps spread ({listed}, more than "
             f"{SPREAD_NOTE:.0%}); run again with a larger --budget (or --steps/--repeats) on a quieter machine"
         )
     else:
