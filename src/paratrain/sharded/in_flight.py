@@ -29,6 +29,7 @@ a mode entered around the step and left before the next forward would otherwise 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,7 @@ class WeightsInFlight:
         self._pending: list[Gather] = []  # in launch order
         self._mode: _ReadsWait | None = None  # entered while anything is in flight (or until it can leave)
         self._hook: Any = None  # a forward pre-hook on every module, while the mode is entered: poll()
+        self._thread = threading.get_ident()  # the thread whose operations the mode sees (the step's)
         self.deferred = 0  # all-gathers that a step left in flight (tests count them)
         self.read_waits = 0  # all-gathers an operation waited for before it ran
 
@@ -99,6 +101,7 @@ class WeightsInFlight:
             return
         self.deferred += len(gathers)
         if self._mode is None:
+            self._thread = threading.get_ident()
             self._mode = _ReadsWait(self)
             self._mode.__enter__()
             self._hook = register_module_forward_pre_hook(lambda module, args: self.poll())
@@ -127,7 +130,10 @@ class WeightsInFlight:
                 self._wait(gather)
 
     def poll(self) -> None:
-        """Finish the all-gathers already done; leave the mode when none is in flight."""
+        """Finish the all-gathers already done; leave the mode when none is in flight. Only in the thread that
+        stepped (a module run by another thread is not this one's forward)."""
+        if threading.get_ident() != self._thread:
+            return
         while self._pending and self._pending[0].work.is_completed():  # gloo completes them in launch order
             self._wait(self._pending[0])
         if not self._pending:
@@ -150,7 +156,11 @@ class WeightsInFlight:
     def _wait(self, gather: Gather) -> None:
         self._pending.remove(gather)
         what = f"all-gather of updated parameters, bucket {gather.bucket}"
-        self._monitor.wait(gather.work, gather.seq, what)
+        try:
+            self._monitor.wait(gather.work, gather.seq, what)
+        except BaseException:
+            self.drop()  # the job is failing: later reads must not wait for the rest, each to its timeout
+            raise
 
     def _leave(self) -> None:
         mode = self._mode
