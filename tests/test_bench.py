@@ -188,6 +188,36 @@ def test_zero_speed_quick_prints_every_mode_its_agreement_and_the_verdicts(tmp_p
     assert len(report["verdicts"]) == 4 and "zero3" in result.stdout.split("parameters after")[1]
 
 
+def _run_benchmark(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / name
+    src = str(Path(paratrain.__file__).resolve().parents[1])  # the child imports the same paratrain as this test
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.mark.processes
+def test_zero_phases_quick_times_each_phase_and_what_the_in_flight_machinery_costs(tmp_path):
+    """benchmarks/bench_zero_phases.py --quick: ddp's and zero1's phases, zero1's forward waiting for its gathers."""
+    out = tmp_path / "phases.json"
+    result = _run_benchmark("bench_zero_phases.py", "--quick", "--width", "256", "--depth", "2", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["phases"]["ddp"]["waiting"] == 0  # ddp's step leaves nothing in flight
+    assert all(report["phases"][m]["total"] > 0 for m in ("ddp", "zero1"))
+    assert report["mode_cost"]["ops"] > 0 and report["gathers"]["all_gather_s"] > 0
+    assert "under an empty dispatch mode" in result.stdout and "an exchange of halves" in result.stdout
+
+
+@pytest.mark.processes
+def test_step_skew_prints_the_median_and_the_mean_of_ddps_steps(tmp_path):
+    out = tmp_path / "skew.json"
+    result = _run_benchmark("bench_step_skew.py", "--models", "simplenet", "--steps", "20", "--out", str(out))
+    found = json.loads(out.read_text())["models"]["simplenet"]
+    assert found["steps"] == 20 and found["median_s"] > 0 and found["mean_s"] > 0
+    assert "mean / median" in result.stdout
+
+
 # --- plan's budget: fewer steps for a slow model, fewer repeats once they agree --------------------------------------
 
 TINY = {"model": "mlp", "width": 16, "depth": 1, "input_shape": "6", "num_classes": 3, "batch_size": 12}

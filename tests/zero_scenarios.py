@@ -440,7 +440,18 @@ def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any]
             opt.step()
             net(x[:4])
         except CollectiveError as exc:
-            return {"message": str(exc), "seconds": time.monotonic() - started}
+            seconds = time.monotonic() - started
+            # the first bucket's all-gather failed: the second's is dropped, so reading every weight now (the
+            # user's error handling, a last log line) neither waits for it to the timeout nor raises again
+            in_flight = net.in_flight
+            left, waits = in_flight.pending, in_flight.read_waits
+            read = "read"
+            try:
+                [p.detach().clone() for p in net.parameters()]
+            except CollectiveError as again:
+                read = f"raised again: {again}"
+            return {"message": str(exc), "seconds": seconds, "left": left, "read": read,
+                    "read_waits": in_flight.read_waits - waits}  # fmt: skip
         return "no error"
 
 

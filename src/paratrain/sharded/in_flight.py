@@ -123,8 +123,8 @@ class WeightsInFlight:
         whole = not t.is_contiguous() or t.dtype != buffer.dtype  # its extent is not one range: all of the bucket
         start = t.storage_offset()
         end = start + t.numel()
+        ranks = range(-(-end // part))  # the parts [start, end) may reach
         for gather in [g for g in self._pending if g.bucket == b]:
-            ranks = range(-(-end // part)) if not whole else ()
             if whole or any(start < r * part + gather.hi and r * part + gather.lo < end for r in ranks):
                 self.read_waits += 1
                 self._wait(gather)
