@@ -14,6 +14,7 @@ MLP's three large Linears (the last, 20k parameters, stays in the root), the GPT
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,6 +115,18 @@ def build_model(model: str, width: int = 2048, depth: int = 3) -> nn.Module:
         return mlp(width, depth)  # seeds itself
     torch.manual_seed(0)
     return TinyGPT()
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's flags, shared by the scripts that time these modes: --model, --width, --depth, --batch."""
+    parser.add_argument("--model", choices=MODELS, default="mlp", help="the 10M MLP or a small GPT")
+    parser.add_argument("--width", type=int, default=2048, help="the MLP's width")
+    parser.add_argument("--depth", type=int, default=3, help="the MLP's hidden layers")
+    parser.add_argument("--batch", type=int, help="samples per rank and step (default: MLP 32, GPT 8 of 64 tokens)")
+
+
+def default_batch(model: str) -> int:
+    return 32 if model == "mlp" else 8
 
 
 def make_batch(model: str, batch: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

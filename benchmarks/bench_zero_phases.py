@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_common import print_table, write_json
-from bench_zero_modes import MODELS, build_mode, build_model, loss_of, make_batch
+from bench_zero_modes import add_model_arguments, build_mode, build_model, default_batch, loss_of, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paratrain.sharded.reducer import all_gather_into
@@ -139,10 +139,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=MODELS, default="mlp", help="the 10M MLP or a small GPT")
-    parser.add_argument("--width", type=int, default=2048, help="the MLP's width")
-    parser.add_argument("--depth", type=int, default=3, help="the MLP's hidden layers")
-    parser.add_argument("--batch", type=int, help="samples per rank and step (default: MLP 32, GPT 8 of 64 tokens)")
+    add_model_arguments(parser)
     parser.add_argument("--modes", nargs="+", choices=("ddp", "zero1", "zero2", "zero3"), default=["ddp", "zero1"])
     parser.add_argument("--blocks", type=int, default=7, help="timed blocks per mode")
     parser.add_argument("--block", type=int, default=5, help="steps per block")
@@ -152,7 +149,7 @@ def main() -> int:
     parser.add_argument("--out", help="where the JSON goes (default: benchmarks/results/)")
     args = parser.parse_args()
     if args.batch is None:
-        args.batch = 32 if args.model == "mlp" else 8
+        args.batch = default_batch(args.model)
     if args.quick:
         args.blocks, args.block, args.mode_repeats, args.gather_repeats = 1, 2, 2, 2
     world = 2

@@ -38,7 +38,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_common import print_table, write_json
-from bench_zero_modes import GPT, MODELS, MODES, Mode, build_mode, build_model, make_batch
+from bench_zero_modes import (
+    GPT,
+    MODES,
+    Mode,
+    add_model_arguments,
+    build_mode,
+    build_model,
+    default_batch,
+    make_batch,
+)
 
 TARGETS = {"zero3": 1.25, "zero2": 1.05, "zero1": 1.0}  # the most each may take, as a multiple of our ddp's step
 
@@ -153,10 +162,7 @@ def _verdicts(medians: dict[str, float], skipped: dict[str, str]) -> list[tuple[
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=MODELS, default="mlp", help="the 10M MLP or a small GPT")
-    parser.add_argument("--width", type=int, default=2048, help="the MLP's width")
-    parser.add_argument("--depth", type=int, default=3, help="the MLP's hidden layers")
-    parser.add_argument("--batch", type=int, help="samples per rank and step (default: MLP 32, GPT 8 of 64 tokens)")
+    add_model_arguments(parser)
     parser.add_argument("--block", type=int, default=5, help="steps per timed block")
     parser.add_argument("--repeats", type=int, default=10, help="blocks per mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode, before the agreement check")
@@ -165,7 +171,7 @@ def main() -> int:
     parser.add_argument("--out", help="where the JSON goes (default: benchmarks/results/)")
     args = parser.parse_args()
     if args.batch is None:
-        args.batch = 32 if args.model == "mlp" else 8
+        args.batch = default_batch(args.model)
     if args.quick:
         args.repeats, args.block = 3, 2
     args.modes = [m for m in MODES if m in args.modes]
