@@ -14,6 +14,7 @@ from torch import nn
 
 import paratrain
 from paratrain.errors import CheckpointError
+from paratrain.training.interrupt import StopRequest
 
 SHARDED = ("zero1", "zero2", "zero3")
 
@@ -50,3 +51,27 @@ def _save_fails_on(strategy: str, limited: bool, root: Path) -> dict[str, Any]:
         par.backward(net(x).square().mean())  # the ranks' collectives still pair
         opt.step()
         return {"error": error, "seconds": took, "entries": sorted(os.listdir(root))}
+
+
+def a_peers_proposal_then_this_ranks_own_ctrl_c(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 gets Ctrl-C and proposes a step; rank 1 learns it from the store first (its watcher), and only then
+    gets its own SIGINT, as a rank does whose signal lands while it waits in a collective: that SIGINT is its first.
+    Each rank's signals, and the step each stops after."""
+    deadline = time.monotonic() + 30
+    with paratrain.Parallel("ddp", "cpu", timeout=60) as par, StopRequest(par) as stop:
+        started = time.perf_counter()
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+            while not stop.signalled and time.monotonic() < deadline:
+                time.sleep(0.01)  # Python runs the handler at a bytecode boundary
+            stop.due(5, started, 5)  # proposes 5 + the steps of half a second
+        else:
+            while stop.stop_after is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # the watcher's look at the store
+            os.kill(os.getpid(), signal.SIGINT)  # before the fix: taken as the second Ctrl-C, os._exit(130)
+            while stop.signals == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        agreed = stop.stop_after
+        assert agreed is not None
+        stops = [n for n in range(5, agreed + 1) if stop.due(n, started, n)]  # every step up to the agreed one
+        return {"signals": stop.signals, "proposed": stop.proposed, "agreed": agreed, "stops": stops}

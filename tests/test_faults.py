@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fault_scenarios import a_rank_that_cannot_write_its_slices
+from fault_scenarios import a_peers_proposal_then_this_ranks_own_ctrl_c, a_rank_that_cannot_write_its_slices
 from paratrain.checkpoint.file import checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint
 from paratrain.checkpoint.sharded import is_sharded_checkpoint, materialize, read_plain, verify_sharded
 from paratrain.training import TrainConfig, train
@@ -399,8 +399,10 @@ def _interrupt_after(proc: subprocess.Popen[str], line_start: str) -> str:
     raise AssertionError(f"the run ended before {line_start!r}:\n{''.join(seen)}")
 
 
-def _stopped_at(out: str) -> tuple[int, Path]:
-    (line,) = [line for line in out.splitlines() if line.startswith("Interrupted: ")]
+def _stopped_at(out: str, err: str = "") -> tuple[int, Path]:
+    lines = [line for line in out.splitlines() if line.startswith("Interrupted: ")]
+    assert len(lines) == 1, f"expected one 'Interrupted: ' line, found {len(lines)}:\n{out}\n--- stderr ---\n{err}"
+    (line,) = lines
     assert line.endswith("; the same command with --resume continues from there"), line
     step = int(line.split("stopped after step ")[1].split()[0])
     return step, Path(line.split(" and saved ")[1].split(";")[0])
@@ -413,7 +415,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_ends_as_the_uninterrupted_run(tmp_
     seen = _interrupt_after(proc, "Epoch 1, Step 5,")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and err == "", err  # one line says it all, on stdout; no traceback
-    step, saved = _stopped_at(seen + out)
+    step, saved = _stopped_at(seen + out, err)
     assert saved.exists() and load_checkpoint(saved)["global_step"] == step and 23 + 6 <= step < 3 * 23
     metrics = tmp_path / "m.json"
     resumed = run_cli(*args, "--resume", "--quiet", "--metrics-out", str(metrics))
@@ -421,6 +423,17 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_ends_as_the_uninterrupted_run(tmp_
     result = json.loads(metrics.read_text())
     assert result["resumed_from"] == str(saved) and result["steps"] == 3 * 23 - step
     assert result["model_fingerprint"] == train(TrainConfig(epochs=3, quiet=True)).model_fingerprint
+
+
+def test_a_rank_that_learns_a_peers_stop_before_its_own_ctrl_c_takes_that_ctrl_c_as_its_first(tmp_path):
+    """The launcher signals every rank, but a rank waiting in a collective runs its handler late, after its watcher
+    may have read rank 0's proposal: that SIGINT is still its first (it used to count as the second, and end the
+    rank at once with 130, its slices unsaved and rank 0 failing in the save's collectives). Both stop after the
+    step rank 0 proposed."""
+    first, second = run_ranks(a_peers_proposal_then_this_ranks_own_ctrl_c, 2, tmp_path)
+    assert first["signals"] == 1 and not first["proposed"], first
+    assert second["signals"] == 1 and second["proposed"], second
+    assert first["agreed"] == second["agreed"] > 5 and first["stops"] == second["stops"] == [first["agreed"]]
 
 
 @pytest.mark.slow
@@ -434,7 +447,7 @@ def test_ctrl_c_under_ddp_stops_every_rank_after_the_same_step_in_one_line(tmp_p
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out + err
     assert "Traceback" not in err and "interrupted" not in err and "Signal" not in err, err  # no line per rank
-    step, saved = _stopped_at(seen + out)
+    step, saved = _stopped_at(seen + out, err)
     state = load_checkpoint(saved)
     assert state["global_step"] == step and (state["epoch"], state["batch"]) == (0, step) and 100 < step < 938
     for pid in workers:  # the launcher, torchrun and both ranks are gone
@@ -485,7 +498,7 @@ def test_ctrl_c_under_a_sharded_strategy_saves_one_sharded_checkpoint_and_resume
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out + err
     assert "Traceback" not in err and "interrupted" not in err and "Signal" not in err, err  # no line per rank
-    step, saved = _stopped_at(seen + out)
+    step, saved = _stopped_at(seen + out, err)
     assert 100 < step < 240 and is_sharded_checkpoint(saved), saved
     assert sorted(p.name for p in saved.iterdir()) == ["index.pt", "shard-00000.pt", "shard-00001.pt"]
     assert read_plain(saved)["global_step"] == step and latest_checkpoint(directory) == saved

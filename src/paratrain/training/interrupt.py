@@ -17,6 +17,10 @@ but the check of a flag, and no collective is added to any step.
 Why S is safe: a rank that finished step b has its peers at step b - 1 or b (none can finish step b + 1
 without it), so any S > b is still ahead of every rank; S = b + the steps of about half a second leaves the others
 that long (ten of their looks at the store) to see it.
+
+Only this process's own SIGINTs count as Ctrl-Cs: a rank that learns of a peer's proposal from the store before
+its own SIGINT arrives (the launcher signals every rank, and one may be in a collective when it lands) takes
+that SIGINT as the first, not the second, which would end it at once without its slices of the checkpoint.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ class StopRequest:
         env = par.environment
         self._key = f"paratrain/stop/{env.run_id or 'run'}/attempt-{env.restart_count}"
         self._store: Any = None
-        self.signalled = False  # a SIGINT arrived here, or another rank's proposal did
+        self.signals = 0  # SIGINTs this process got (a second leaves now)
+        self.proposed = False  # another rank's proposal arrived through the store
         self.stop_after: int | None = None  # the agreed step (global steps done) the run stops after
         self._previous: Any = None
         self._installed = False
@@ -82,10 +87,15 @@ class StopRequest:
             signal.signal(signal.SIGINT, self._previous)
             self._installed = False
 
+    @property
+    def signalled(self) -> bool:
+        """A stop was asked for: a SIGINT arrived here, or another rank's proposal did."""
+        return self.signals > 0 or self.proposed
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if not self.signalled:
-            self.signalled = True  # acted on at the next step boundary
-            return
+        self.signals += 1
+        if self.signals == 1:
+            return  # acted on at the next step boundary
         # the second Ctrl-C: leave now. Under ddp a collective may be in flight, which unwinding would wait for
         if self._distributed:
             drop_unused_dump()  # os._exit skips atexit, where the stack file would go
@@ -120,7 +130,7 @@ class StopRequest:
             except Exception:  # the store went away (the job is ending): nothing left to agree on
                 return
             self.stop_after = proposal
-            self.signalled = True
+            self.proposed = True  # not a signal of this process's: its own Ctrl-C is still its first
             return
 
 
