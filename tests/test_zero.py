@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 
 from processes import run_ranks
-from zero_scenarios import CONFIGS, four_ranks, suite, three_ranks
+from zero_scenarios import (
+    CONFIGS,
+    a_peer_that_dies_with_the_weights_in_flight,
+    a_rank_that_skips_the_step_is_named,
+    four_ranks,
+    suite,
+    three_ranks,
+)
 
 pytestmark = pytest.mark.processes  # every test here starts processes
 
@@ -64,6 +71,7 @@ def test_the_step_leaves_its_all_gathers_in_flight_and_every_read_of_the_weights
     for index, rank in enumerate(two):
         for stage in ("zero1", "zero2"):
             r = rank["weights_in_flight"][stage]
+            assert r["exchanges"], r  # two ranks on gloo: each range is a send and a receive
             assert r["deferred"] > 0 and r["pending_after_step"], r  # step() returned before its all-gathers
             # an EMA's copy right after step(), the peer stepping only after it returned: it waited, and is whole
             assert r["read_whole"], r
@@ -200,7 +208,7 @@ def test_a_rank_that_never_steps_is_named_in_the_all_gather(three):
         assert "rank(s) 2 did not arrive" in r["message"]
         assert r["seconds"] < 10
         # two buckets were in flight: the failure dropped the second, and a read of every weight after it ran at once
-        assert (r["left"], r["read"], r["read_waits"]) == (False, "read", 0), r
+        assert (r["left"], r["read"], r["read_waits"], r["modes"]) == (False, "read", 0, 0), r
 
 
 @pytest.mark.slow
@@ -210,3 +218,22 @@ def test_four_ranks_against_ddp(tmp_path):
             assert r["zero1_bitwise"], config
             assert r["zero2_bitwise"] or r["zero2_rel"] < 1e-6, (config, r["zero2_rel"])
             assert r["zero1_lr"] and r["zero2_lr"]
+
+
+def test_at_two_ranks_a_peer_that_never_steps_is_named_in_the_exchange_of_the_weights(tmp_path):
+    """The weights' all-gather at two ranks is a send and a receive that a thread waits for: a peer that never
+    steps is still named at the next forward within the timeout (2 s), and the rest in flight is dropped."""
+    first, second = run_ranks(a_rank_that_skips_the_step_is_named, 2, tmp_path)
+    assert second == "skipped"
+    assert "all-gather of updated parameters" in first["message"], first
+    assert "did not complete within 2s: rank(s) 1 did not arrive" in first["message"], first
+    assert first["seconds"] < 30, first
+    assert first["left"] is False and first["read"] == "read" and first["read_waits"] == 0, first
+    assert first["modes"] == 0, first  # the mode left with the error: nothing runs under it after
+
+
+def test_at_two_ranks_a_peer_that_dies_with_the_weights_in_flight_is_named_at_once(tmp_path):
+    (found, _) = run_ranks(a_peer_that_dies_with_the_weights_in_flight, 2, tmp_path, exits=1)
+    assert isinstance(found, dict) and found["exchanges"], found
+    assert "all-gather of updated parameters" in found["message"] and found["seconds"] < 30, found  # not 60 s
+    assert found["left"] is False and found["modes"] == 0, found

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -450,8 +451,30 @@ def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any]
                 [p.detach().clone() for p in net.parameters()]
             except CollectiveError as again:
                 read = f"raised again: {again}"
+            modes = torch._C._len_torch_dispatch_stack()  # the mode left with the error
             return {"message": str(exc), "seconds": seconds, "left": left, "read": read,
-                    "read_waits": in_flight.read_waits - waits}  # fmt: skip
+                    "read_waits": in_flight.read_waits - waits, "modes": modes}  # fmt: skip
+        return "no error"
+
+
+def a_peer_that_dies_with_the_weights_in_flight(rank: int, world: int) -> dict[str, Any] | str:
+    """Rank 1 ends after its backward, before its step: rank 0's step or its next forward fails on the all-gather
+    of the weights (at two ranks, a send and a receive), named, at once rather than at the timeout; nothing is
+    left in flight and no mode on the stack."""
+    with paratrain.Parallel("zero1", "cpu", timeout=60) as par:
+        net = model()
+        net, opt = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        x, y = batches(1)[0]
+        par.backward(F.cross_entropy(net(x[:4]), y[:4]))
+        if rank == 1:
+            os._exit(3)
+        started = time.monotonic()
+        try:
+            opt.step()
+            net(x[:4])
+        except CollectiveError as exc:
+            return {"message": str(exc), "seconds": time.monotonic() - started, "exchanges": net.exchanges,
+                    "left": net.in_flight.pending, "modes": torch._C._len_torch_dispatch_stack()}  # fmt: skip
         return "no error"
 
 
@@ -691,6 +714,7 @@ def weights_in_flight(rank: int, world: int, directory: str) -> dict[str, Any]:
         with counting:
             opt.step()
         found[f"zero{stage}"] = {
+            "exchanges": model.exchanges,  # at two ranks on gloo: sends and receives, waited for by a thread
             "deferred": deferred,
             "pending_after_step": pending,
             "read_whole": whole,

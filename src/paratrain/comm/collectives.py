@@ -188,17 +188,11 @@ class CollectiveMonitor:
 
         A ``Work`` on the host's side is waited on with the backend's own timeout (no Python runs on the
         backend's threads); on the device's side it is handed to the watchdog. A future (from a communication
-        hook) is waited on through a completion callback. Returns the future's value, or None for a ``Work``.
+        hook, or :class:`~paratrain.comm.work_waiter.WorkWaiter`'s) is waited on through a completion callback.
+        Returns the future's value, or None for a ``Work``.
         """
-        if not isinstance(handle, dist.Work):  # a future (torch._C.Future, not always torch.futures.Future)
-            if self.timeout is not None and not handle.done():
-                done = threading.Event()
-                handle.add_done_callback(lambda _: done.set())
-                if not done.wait(self.timeout):
-                    keep_forever(handle)  # gloo's thread completes it some day: never its last reference
-                    raise self._failed(self.timeout_error(seq, what))
-            return handle.wait()
-        if not self.host_waits and self.timeout is not None and self._board is not None:
+        is_work = isinstance(handle, dist.Work)  # else a future (torch._C.Future, not always torch.futures.Future)
+        if is_work and not self.host_waits and self.timeout is not None and self._board is not None:
             with self._lock:
                 self._pending.append(_Pending(handle, seq, what, time.monotonic() + self.timeout))
             handle.wait()  # nccl: the current stream waits for the collective; the host goes on
@@ -207,18 +201,31 @@ class CollectiveMonitor:
         self._in = (seq, what, started)
         if self._checks:
             self._describe(seq, what)
+        value = None
         try:
-            finished = wait_work(handle, self.timeout)
+            if is_work:
+                finished = wait_work(handle, self.timeout)
+            else:
+                finished = self.timeout is None or handle.done() or _wait_future(handle, self.timeout)
+                if finished:
+                    value = handle.wait()  # raises what failed it
+                else:
+                    keep_forever(handle)  # gloo's thread completes it some day: never its last reference
         except RuntimeError as exc:
-            self._claim_or_wait()
             # from None: the error quotes the backend's text once; the backend's exception is kept on it
-            raise self._failed(self.failure_error(seq, what, exc)) from None
+            raise self.failed(seq, what, exc) from None
         if not finished:
             self._claim_or_wait()
             raise self._failed(self.timeout_error(seq, what))
         self._in, self._done = None, (seq, what)
         self.waited += time.monotonic() - started
-        return None
+        return value
+
+    def failed(self, seq: int, what: str, exc: BaseException) -> CollectiveError:
+        """The error to raise for collective ``seq`` failing with the backend's ``exc`` (in its wait, or when it was
+        launched: a send to a peer whose connection is gone), once this process's diagnosis is said."""
+        self._claim_or_wait()
+        return self._failed(self.failure_error(seq, what, exc))
 
     def _describe(self, seq: int, what: str) -> None:
         for entry in reversed(self._history):  # the latest, usually the last or one of the last few
@@ -490,6 +497,13 @@ class CollectiveMonitor:
 def _summary(rank: int, what: str) -> str:
     """The launcher's line for a rank whose error was printed whole: it points there."""
     return f"rank {rank}: {what}; the diagnosis is in rank {rank}'s output above"
+
+
+def _wait_future(future: Any, timeout: float) -> bool:
+    """Whether ``future`` completed within ``timeout`` seconds (a callback sets an event: no Python polls it)."""
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done.wait(timeout)
 
 
 def _ranks(ranks: list[int]) -> str:

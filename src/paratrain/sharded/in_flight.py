@@ -61,7 +61,8 @@ def chunks(part: int, most: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
 
 @dataclass
 class Gather:
-    """One all-gather in flight: range ``[lo, hi)`` of every rank's part of bucket ``bucket``."""
+    """One all-gather in flight: range ``[lo, hi)`` of every rank's part of bucket ``bucket``; ``work`` is its
+    ``Work``, or at two ranks on gloo the future of its send and receive."""
 
     bucket: int
     lo: int
@@ -134,7 +135,7 @@ class WeightsInFlight:
         stepped (a module run by another thread is not this one's forward)."""
         if threading.get_ident() != self._thread:
             return
-        while self._pending and self._pending[0].work.is_completed():  # gloo completes them in launch order
+        while self._pending and _finished(self._pending[0].work):  # gloo completes them in launch order
             self._wait(self._pending[0])
         if not self._pending:
             self._leave()
@@ -189,6 +190,12 @@ class _ReadsWait(TorchDispatchMode):
             if kwargs:
                 self.weights.wait_for(list(kwargs.values()))
         return func(*args, **kwargs)
+
+
+def _finished(work: Any) -> bool:
+    """Whether an all-gather's ``Work``, or the future of a send and receive (:mod:`paratrain.comm.work_waiter`), is
+    done."""
+    return bool(work.done() if isinstance(work, torch.futures.Future) else work.is_completed())
 
 
 def _storage(t: torch.Tensor) -> int:

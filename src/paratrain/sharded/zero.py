@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
-from paratrain.comm.process_groups import no_python_in_work
+from paratrain.comm.process_groups import keep_forever, no_python_in_work
+from paratrain.comm.work_waiter import WorkWaiter
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
@@ -41,7 +42,7 @@ from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.in_flight import Gather, WeightsInFlight, chunks
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
 from paratrain.sharded.partition import BucketShards, shard_bucket
-from paratrain.sharded.reducer import ReduceScatter, all_gather_into
+from paratrain.sharded.reducer import TAG_BASE, ReduceScatter, all_gather_into
 
 __all__ = ["STAGES", "ZeroDataParallel"]
 
@@ -106,6 +107,11 @@ class ZeroDataParallel(DistributedDataParallel):
             i: offset for bucket in reducer.buckets for i, offset in zip(bucket.indices, bucket.offsets, strict=True)
         }
         self._gathers: list[Gather] = []  # launched by this step
+        # two ranks on gloo: each all-gather of the weights is a send and a receive, waited for by a thread of
+        # their own (_exchange_gather)
+        cpu = all(t.device.type == "cpu" for t in self.flat)
+        self.exchanges = self.world_size == 2 and cpu and dist.get_backend(self.process_group) == "gloo"
+        self._waiter = WorkWaiter(f"paratrain-zero{stage}-gathers")
         # the step's all-gathers, until they are needed
         self.in_flight = WeightsInFlight(self.flat, [s.part for s in self.shards], self.monitor)
         self._synchronised: list[Callable[[], None]] = []
@@ -163,6 +169,9 @@ class ZeroDataParallel(DistributedDataParallel):
         range of the parts, the range holding the first layers first (:func:`paratrain.sharded.in_flight.chunks`)."""
         shards, buffer = self.shards[bucket], self.flat[bucket]
         world, part = self.world_size, shards.part
+        if self.exchanges:
+            self._exchange_gather(bucket)
+            return
         for lo, hi in chunks(part):
             outputs = [buffer.narrow(0, r * part + lo, hi - lo) for r in range(world)]
             seq = self.monitor.launched()
@@ -172,6 +181,28 @@ class ZeroDataParallel(DistributedDataParallel):
                 else:
                     work = dist.all_gather(outputs, outputs[self.rank], group=self.process_group, async_op=True)
             self._gathers.append(Gather(bucket, lo, hi, work, seq))
+
+    def _exchange_gather(self, bucket: int) -> None:
+        """Two ranks on gloo: each range is a send of this rank's part to the peer and a receive of the peer's
+        straight into its place, the same bytes as gloo's all-gather without its copies through a flat output.
+        A thread of their own waits for each pair (:mod:`paratrain.comm.work_waiter`), so that the future
+        :class:`~paratrain.sharded.in_flight.WeightsInFlight` polls says when it is done. The pair is tagged with
+        its collective number: the peer's matching pair has the same one."""
+        shards, buffer, group = self.shards[bucket], self.flat[bucket], self.process_group
+        part, mine, theirs = shards.part, self.rank, 1 - self.rank
+        peer = dist.get_global_rank(group, theirs) if group is not None else theirs
+        for lo, hi in chunks(part):
+            seq = self.monitor.launched()
+            try:
+                with no_python_in_work():
+                    send = dist.isend(buffer.narrow(0, mine * part + lo, hi - lo), peer, group, TAG_BASE + seq)
+                    recv = dist.irecv(buffer.narrow(0, theirs * part + lo, hi - lo), peer, group, TAG_BASE + seq)
+            except RuntimeError as exc:  # the peer's connection is gone already
+                keep_forever(*(g.work for g in self._gathers))  # this step's others: gloo may still hold them
+                self._gathers.clear()
+                self.in_flight.drop()
+                raise self.monitor.failed(seq, f"all-gather of updated parameters, bucket {bucket}", exc) from None
+            self._gathers.append(Gather(bucket, lo, hi, self._waiter.after([send, recv]), seq))
 
     def gathers_launched(self) -> None:
         """The step launched every bucket's all-gather: they stay in flight until the weights are read, every read
@@ -191,6 +222,8 @@ class ZeroDataParallel(DistributedDataParallel):
         except BaseException:
             if self.monitor.failure is None:
                 self.in_flight.settle()
+            else:  # an all-gather failed inside an operation, where the mode could not leave: it leaves here
+                self.in_flight.drop()
             raise
         self.in_flight.settle()
         return outputs
@@ -299,6 +332,7 @@ class ZeroDataParallel(DistributedDataParallel):
                 self.in_flight.settle()
         finally:
             self.in_flight.drop()
+            self._waiter.close()
             super().close()
 
     def __getstate__(self) -> dict[str, Any]:
