@@ -92,6 +92,7 @@ def test_a_rank_holds_its_shards_and_parts_of_the_gradients(two):
         # its backward is next); a backward starts at the root's output, which gathers the first unit not held
         # ("4" in the first backward, which "2" then follows; "2" in the next, "4" being kept)
         assert r["prefetched"] == [{"forward": 0, "backward": 2}, {"forward": 2, "backward": 3}]
+        assert r["exchanges"]  # the runs of this module are ddp's bit for bit with it
 
 
 def test_a_zero3_checkpoint_resumes_under_zero3_ddp_and_single_and_ddp_zero2_ones_under_zero3(two):

@@ -364,6 +364,7 @@ def memory_and_layout(rank: int, world: int) -> dict[str, Any]:
         first = dict(net.prefetched)  # the first forward learns the order: only its backward prefetches
         par.backward(loss_of(net(x), y))
         found["prefetched"] = [first, dict(net.prefetched)]
+        found["exchanges"] = net.exchanges  # two ranks on gloo: each unit's all-gather is a send and a receive
         grads = par.gradients(net)
         found["gradients_whole"] = all(g is not None for g in grads)
     return found

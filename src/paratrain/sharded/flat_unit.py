@@ -23,6 +23,7 @@ from paratrain.comm.process_groups import no_python_in_work
 from paratrain.ddp.buckets import Bucket
 from paratrain.errors import DistributedError
 from paratrain.sharded.owned import owned
+from paratrain.sharded.pair_gather import PairGather
 from paratrain.sharded.partition import BucketShards, Piece, shard_bucket
 from paratrain.sharded.reducer import all_gather_into
 from paratrain.sharded.units import UnitPlan
@@ -78,7 +79,7 @@ class ShardedUnit:
         nan = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
         self.resting = [nan.expand(p.shape) for p in self.params]  # a parameter between uses: its shape, no memory
         self.gathered = True  # the buffer holds the whole weights (true while the constructor fills it)
-        self.gathering: tuple[Any, int] | None = None  # an all-gather in flight: (Work, collective number)
+        self.gathering: tuple[Any, int] | None = None  # an all-gather in flight: (Work or future, its number)
         self.in_use = False  # the parameters are views of the buffer
         # gradients: the whole unit's while they arrive (undivided inside no_sync), and this rank's part of the sum
         self.grad_full: torch.Tensor | None = None
@@ -112,11 +113,20 @@ class ShardedUnit:
     def own_part(self) -> torch.Tensor:
         return self.full.narrow(0, self.rank * self.part, self.part)
 
-    def launch_gather(self, group: Any, monitor: CollectiveMonitor) -> None:
+    def launch_gather(self, group: Any, monitor: CollectiveMonitor, pair: PairGather | None = None) -> None:
+        """Start gathering every rank's shard into the whole buffer: an all-gather, or with ``pair`` (two ranks on
+        gloo) a send of this rank's shard and a receive of the peer's, this rank's copied in meanwhile."""
         if self.gathered or self.gathering is not None:
             return
         self.full.untyped_storage().resize_(self._bytes)
         seq = monitor.launched()
+        if pair is not None:
+            theirs = self.full.narrow(0, (1 - self.rank) * self.part, self.part)
+            done = pair.exchange(self.shard, theirs, seq, monitor, f"all-gather of the weights of unit {self.label}")
+            with torch.no_grad():
+                self.own_part().copy_(self.shard)
+            self.gathering = (done, seq)
+            return
         with no_python_in_work():
             work = all_gather_into(self.full, self.shard, group)
         self.gathering = (work, seq)

@@ -56,6 +56,7 @@ from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.meta_init import check_same_everywhere, materialize_units
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
+from paratrain.sharded.pair_gather import PairGather
 from paratrain.sharded.reducer import all_gather_into
 from paratrain.sharded.unit_reduce import MAX_REDUCING, UnitReduces
 from paratrain.sharded.units import DEFAULT_MIN_PARAMS, UnitPlan, UnitSpec, plan_units
@@ -141,6 +142,10 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         else:
             self.units = [self._shard_unit(i, unit_plan) for i, unit_plan in enumerate(plan)]
         self.params = [p for unit in self.units for p in unit.params]
+        # two ranks on gloo: each unit's all-gather is a send and a receive (paratrain.sharded.pair_gather)
+        shards = [u.shard for u in self.units]
+        self._pair = PairGather.between(self.process_group, self.world_size, shards, "paratrain-zero3")
+        self.exchanges = self._pair is not None
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         self._sync = True  # the backward to come reduces (set by each training forward)
         self._callback_queued = False
@@ -254,7 +259,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             self.before_extra_forward(list(self._forward_sites), self._forwards)
 
     def _gather(self, unit: ShardedUnit) -> None:
-        unit.launch_gather(self.process_group, self.monitor)
+        unit.launch_gather(self.process_group, self.monitor, self._pair)
         unit.wait_gather(self.monitor)
         unit.use()
 
@@ -276,7 +281,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         for index in ahead:
             if self._held(self.units[index], backward):
                 continue
-            self.units[index].launch_gather(self.process_group, self.monitor)
+            self.units[index].launch_gather(self.process_group, self.monitor, self._pair)
             self.prefetched["backward" if backward else "forward"] += 1
 
     @staticmethod
@@ -578,6 +583,8 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._pair is not None:
+            self._pair.close()
         self._finalizer()
 
     # -- what DDP offers and this wrapper does not ------------------------------------------------------------

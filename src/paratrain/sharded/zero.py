@@ -33,16 +33,16 @@ from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
 from paratrain.comm.process_groups import keep_forever, no_python_in_work
-from paratrain.comm.work_waiter import WorkWaiter
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.devices import DeviceLike
-from paratrain.errors import ConfigError, DistributedError
+from paratrain.errors import CollectiveError, ConfigError, DistributedError
 from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.in_flight import Gather, WeightsInFlight, chunks
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
+from paratrain.sharded.pair_gather import PairGather
 from paratrain.sharded.partition import BucketShards, shard_bucket
-from paratrain.sharded.reducer import TAG_BASE, ReduceScatter, all_gather_into
+from paratrain.sharded.reducer import ReduceScatter, all_gather_into
 
 __all__ = ["STAGES", "ZeroDataParallel"]
 
@@ -107,11 +107,9 @@ class ZeroDataParallel(DistributedDataParallel):
             i: offset for bucket in reducer.buckets for i, offset in zip(bucket.indices, bucket.offsets, strict=True)
         }
         self._gathers: list[Gather] = []  # launched by this step
-        # two ranks on gloo: each all-gather of the weights is a send and a receive, waited for by a thread of
-        # their own (_exchange_gather)
-        cpu = all(t.device.type == "cpu" for t in self.flat)
-        self.exchanges = self.world_size == 2 and cpu and dist.get_backend(self.process_group) == "gloo"
-        self._waiter = WorkWaiter(f"paratrain-zero{stage}-gathers")
+        # two ranks on gloo: each all-gather of the weights is a send and a receive (_exchange_gather)
+        self._pair = PairGather.between(self.process_group, self.world_size, self.flat, f"paratrain-zero{stage}")
+        self.exchanges = self._pair is not None
         # the step's all-gathers, until they are needed
         self.in_flight = WeightsInFlight(self.flat, [s.part for s in self.shards], self.monitor)
         self._synchronised: list[Callable[[], None]] = []
@@ -184,25 +182,25 @@ class ZeroDataParallel(DistributedDataParallel):
 
     def _exchange_gather(self, bucket: int) -> None:
         """Two ranks on gloo: each range is a send of this rank's part to the peer and a receive of the peer's
-        straight into its place, the same bytes as gloo's all-gather without its copies through a flat output.
-        A thread of their own waits for each pair (:mod:`paratrain.comm.work_waiter`), so that the future
-        :class:`~paratrain.sharded.in_flight.WeightsInFlight` polls says when it is done. The pair is tagged with
-        its collective number: the peer's matching pair has the same one."""
-        shards, buffer, group = self.shards[bucket], self.flat[bucket], self.process_group
+        straight into its place (:mod:`paratrain.sharded.pair_gather`); the future of each pair is what
+        :class:`~paratrain.sharded.in_flight.WeightsInFlight` polls and waits for."""
+        assert self._pair is not None
+        shards, buffer = self.shards[bucket], self.flat[bucket]
         part, mine, theirs = shards.part, self.rank, 1 - self.rank
-        peer = dist.get_global_rank(group, theirs) if group is not None else theirs
         for lo, hi in chunks(part):
             seq = self.monitor.launched()
+            what = f"all-gather of updated parameters, bucket {bucket}"
             try:
-                with no_python_in_work():
-                    send = dist.isend(buffer.narrow(0, mine * part + lo, hi - lo), peer, group, TAG_BASE + seq)
-                    recv = dist.irecv(buffer.narrow(0, theirs * part + lo, hi - lo), peer, group, TAG_BASE + seq)
-            except RuntimeError as exc:  # the peer's connection is gone already
+                done = self._pair.exchange(
+                    buffer.narrow(0, mine * part + lo, hi - lo), buffer.narrow(0, theirs * part + lo, hi - lo),
+                    seq, self.monitor, what,
+                )  # fmt: skip
+            except CollectiveError:  # the peer's connection is gone already
                 keep_forever(*(g.work for g in self._gathers))  # this step's others: gloo may still hold them
                 self._gathers.clear()
                 self.in_flight.drop()
-                raise self.monitor.failed(seq, f"all-gather of updated parameters, bucket {bucket}", exc) from None
-            self._gathers.append(Gather(bucket, lo, hi, self._waiter.after([send, recv]), seq))
+                raise
+            self._gathers.append(Gather(bucket, lo, hi, done, seq))
 
     def gathers_launched(self) -> None:
         """The step launched every bucket's all-gather: they stay in flight until the weights are read, every read
@@ -332,7 +330,8 @@ class ZeroDataParallel(DistributedDataParallel):
                 self.in_flight.settle()
         finally:
             self.in_flight.drop()
-            self._waiter.close()
+            if self._pair is not None:
+                self._pair.close()
             super().close()
 
     def __getstate__(self) -> dict[str, Any]:
