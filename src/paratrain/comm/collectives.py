@@ -213,19 +213,14 @@ class CollectiveMonitor:
                     keep_forever(handle)  # gloo's thread completes it some day: never its last reference
         except RuntimeError as exc:
             # from None: the error quotes the backend's text once; the backend's exception is kept on it
-            raise self.failed(seq, what, exc) from None
+            self._claim_or_wait()
+            raise self._failed(self.failure_error(seq, what, exc)) from None
         if not finished:
             self._claim_or_wait()
             raise self._failed(self.timeout_error(seq, what))
         self._in, self._done = None, (seq, what)
         self.waited += time.monotonic() - started
         return value
-
-    def failed(self, seq: int, what: str, exc: BaseException) -> CollectiveError:
-        """The error to raise for collective ``seq`` failing with the backend's ``exc`` (in its wait, or when it was
-        launched: a send to a peer whose connection is gone), once this process's diagnosis is said."""
-        self._claim_or_wait()
-        return self._failed(self.failure_error(seq, what, exc))
 
     def _describe(self, seq: int, what: str) -> None:
         for entry in reversed(self._history):  # the latest, usually the last or one of the last few

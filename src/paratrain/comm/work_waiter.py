@@ -39,10 +39,11 @@ class WorkWaiter:
     def after(self, works: Sequence[Any]) -> torch.futures.Future[None]:
         """A future completed once every one of ``works`` was waited for (each once, by this waiter's thread)."""
         future: torch.futures.Future[None] = torch.futures.Future()
-        self._queue.put((list(works), future))
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._queue = queue.SimpleQueue()  # the thread's own: one closed earlier may still drain its own
+            self._thread = threading.Thread(target=self._run, args=(self._queue,), name=self._name, daemon=True)
             self._thread.start()
+        self._queue.put((list(works), future))
         return future
 
     def close(self) -> None:
@@ -51,9 +52,10 @@ class WorkWaiter:
             self._queue.put(None)
             self._thread = None
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(batches: queue.SimpleQueue[tuple[list[Any], torch.futures.Future[None]] | None]) -> None:
         while True:
-            item = self._queue.get()
+            item = batches.get()
             if item is None:
                 return
             works, future = item

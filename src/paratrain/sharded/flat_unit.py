@@ -122,7 +122,7 @@ class ShardedUnit:
         seq = monitor.launched()
         if pair is not None:
             theirs = self.full.narrow(0, (1 - self.rank) * self.part, self.part)
-            done = pair.exchange(self.shard, theirs, seq, monitor, f"all-gather of the weights of unit {self.label}")
+            done = pair.exchange(self.shard, theirs, seq)
             with torch.no_grad():
                 self.own_part().copy_(self.shard)
             self.gathering = (done, seq)

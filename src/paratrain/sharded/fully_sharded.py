@@ -145,7 +145,6 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         # two ranks on gloo: each unit's all-gather is a send and a receive (paratrain.sharded.pair_gather)
         shards = [u.shard for u in self.units]
         self._pair = PairGather.between(self.process_group, self.world_size, shards, "paratrain-zero3")
-        self.exchanges = self._pair is not None
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         self._sync = True  # the backward to come reduces (set by each training forward)
         self._callback_queued = False
@@ -257,6 +256,11 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         self._forward_sites.append(self._user_line())
         if self._forwards > self._forwards_per_backward and self.before_extra_forward is not None:
             self.before_extra_forward(list(self._forward_sites), self._forwards)
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether each unit's all-gather is a send and a receive (two ranks on gloo)."""
+        return self._pair is not None
 
     def _gather(self, unit: ShardedUnit) -> None:
         unit.launch_gather(self.process_group, self.monitor, self._pair)

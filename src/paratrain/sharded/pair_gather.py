@@ -1,7 +1,7 @@
 """An all-gather between two ranks on gloo as a send and a receive: the same bytes, without gloo's copies.
 
     pair = PairGather.between(group, world_size, tensors)   # None unless two ranks on gloo, the tensors on CPU
-    done = pair.exchange(mine, theirs, seq, monitor, what)  # send ``mine``, receive the peer's into ``theirs``
+    done = pair.exchange(mine, theirs, seq)                 # send ``mine``, receive the peer's into ``theirs``
     monitor.wait(done, seq, what)                           # a future: pollable with done()
 
 At two ranks an all-gather is each rank sending its part and receiving the other's. gloo's all-gather does that
@@ -22,8 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.collectives import CollectiveMonitor
-from paratrain.comm.process_groups import no_python_in_work
+from paratrain.comm.process_groups import keep_forever, no_python_in_work
 from paratrain.comm.work_waiter import WorkWaiter
 from paratrain.sharded.reducer import TAG_BASE
 
@@ -47,22 +46,21 @@ class PairGather:
             return None
         return cls(group, dist.get_rank(group), name)
 
-    def exchange(
-        self, mine: torch.Tensor, theirs: torch.Tensor, seq: int, monitor: CollectiveMonitor, what: str
-    ) -> torch.futures.Future[None]:
-        """Send ``mine`` to the peer and receive its part into ``theirs``: a future done when both are.
-
-        Raises:
-            CollectiveError: the peer's connection is gone already (a launch fails at once then), named as
-                ``what`` by ``monitor``.
-        """
+    def exchange(self, mine: torch.Tensor, theirs: torch.Tensor, seq: int) -> torch.futures.Future[None]:
+        """Send ``mine`` to the peer and receive its part into ``theirs``: a future done when both are, or failed
+        with the backend's error (also when the peer's connection was gone at launch), which the monitor's wait
+        names as it names a failed all-gather."""
+        works: list[Any] = []
         try:
             with no_python_in_work():
-                send = dist.isend(mine, self.peer, self._group, TAG_BASE + seq)
-                recv = dist.irecv(theirs, self.peer, self._group, TAG_BASE + seq)
+                works.append(dist.isend(mine, self.peer, self._group, TAG_BASE + seq))
+                works.append(dist.irecv(theirs, self.peer, self._group, TAG_BASE + seq))
         except RuntimeError as exc:
-            raise monitor.failed(seq, what, exc) from None
-        return self._waiter.after([send, recv])
+            keep_forever(*works)  # gloo may still hold a send it started (see paratrain.comm.process_groups)
+            failed: torch.futures.Future[None] = torch.futures.Future()
+            failed.set_exception(exc)  # type: ignore[arg-type]  # torch types it as a result
+            return failed
+        return self._waiter.after(works)
 
     def close(self) -> None:
         """End the waiting thread once what was given is done."""

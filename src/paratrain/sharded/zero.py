@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
-from paratrain.comm.process_groups import keep_forever, no_python_in_work
+from paratrain.comm.process_groups import no_python_in_work
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.devices import DeviceLike
-from paratrain.errors import CollectiveError, ConfigError, DistributedError
+from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.in_flight import Gather, WeightsInFlight, chunks
@@ -107,9 +107,8 @@ class ZeroDataParallel(DistributedDataParallel):
             i: offset for bucket in reducer.buckets for i, offset in zip(bucket.indices, bucket.offsets, strict=True)
         }
         self._gathers: list[Gather] = []  # launched by this step
-        # two ranks on gloo: each all-gather of the weights is a send and a receive (_exchange_gather)
+        # two ranks on gloo: each all-gather of the weights is a send and a receive (launch_gather)
         self._pair = PairGather.between(self.process_group, self.world_size, self.flat, f"paratrain-zero{stage}")
-        self.exchanges = self._pair is not None
         # the step's all-gathers, until they are needed
         self.in_flight = WeightsInFlight(self.flat, [s.part for s in self.shards], self.monitor)
         self._synchronised: list[Callable[[], None]] = []
@@ -162,45 +161,30 @@ class ZeroDataParallel(DistributedDataParallel):
             return None
         return self.reducer.collective.buffers[b].narrow(0, at, piece.length)
 
+    @property
+    def exchanges(self) -> bool:
+        """Whether the weights' all-gathers are sends and receives (two ranks on gloo)."""
+        return self._pair is not None
+
     def launch_gather(self, bucket: int) -> None:
         """Start the all-gathers that give every rank bucket ``bucket``'s updated weights from their owners: range by
-        range of the parts, the range holding the first layers first (:func:`paratrain.sharded.in_flight.chunks`)."""
-        shards, buffer = self.shards[bucket], self.flat[bucket]
+        range of the parts, the range holding the first layers first (:func:`paratrain.sharded.in_flight.chunks`).
+        At two ranks on gloo each range is a send of this rank's part and a receive of the peer's straight into its
+        place (:mod:`paratrain.sharded.pair_gather`), whose future the weights in flight poll and wait for."""
+        shards, buffer, pair = self.shards[bucket], self.flat[bucket], self._pair
         world, part = self.world_size, shards.part
-        if self.exchanges:
-            self._exchange_gather(bucket)
-            return
         for lo, hi in chunks(part):
             outputs = [buffer.narrow(0, r * part + lo, hi - lo) for r in range(world)]
             seq = self.monitor.launched()
-            with no_python_in_work():
-                if hi - lo == part:
-                    work = all_gather_into(buffer, outputs[self.rank], self.process_group)
-                else:
-                    work = dist.all_gather(outputs, outputs[self.rank], group=self.process_group, async_op=True)
+            if pair is not None:
+                work = pair.exchange(outputs[self.rank], outputs[1 - self.rank], seq)
+            else:
+                with no_python_in_work():
+                    if hi - lo == part:
+                        work = all_gather_into(buffer, outputs[self.rank], self.process_group)
+                    else:
+                        work = dist.all_gather(outputs, outputs[self.rank], group=self.process_group, async_op=True)
             self._gathers.append(Gather(bucket, lo, hi, work, seq))
-
-    def _exchange_gather(self, bucket: int) -> None:
-        """Two ranks on gloo: each range is a send of this rank's part to the peer and a receive of the peer's
-        straight into its place (:mod:`paratrain.sharded.pair_gather`); the future of each pair is what
-        :class:`~paratrain.sharded.in_flight.WeightsInFlight` polls and waits for."""
-        assert self._pair is not None
-        shards, buffer = self.shards[bucket], self.flat[bucket]
-        part, mine, theirs = shards.part, self.rank, 1 - self.rank
-        for lo, hi in chunks(part):
-            seq = self.monitor.launched()
-            what = f"all-gather of updated parameters, bucket {bucket}"
-            try:
-                done = self._pair.exchange(
-                    buffer.narrow(0, mine * part + lo, hi - lo), buffer.narrow(0, theirs * part + lo, hi - lo),
-                    seq, self.monitor, what,
-                )  # fmt: skip
-            except CollectiveError:  # the peer's connection is gone already
-                keep_forever(*(g.work for g in self._gathers))  # this step's others: gloo may still hold them
-                self._gathers.clear()
-                self.in_flight.drop()
-                raise
-            self._gathers.append(Gather(bucket, lo, hi, done, seq))
 
     def gathers_launched(self) -> None:
         """The step launched every bucket's all-gather: they stay in flight until the weights are read, every read
