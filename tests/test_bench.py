@@ -198,15 +198,15 @@ def _run_benchmark(name: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.processes
-def test_zero_phases_quick_times_each_phase_and_what_the_in_flight_machinery_costs(tmp_path):
+def test_zero_phases_quick_times_each_phase_and_an_all_gather_of_the_weights(tmp_path):
     """benchmarks/bench_zero_phases.py --quick: ddp's and zero1's phases, zero1's forward waiting for its gathers."""
     out = tmp_path / "phases.json"
     result = _run_benchmark("bench_zero_phases.py", "--quick", "--width", "256", "--depth", "2", "--out", str(out))
     report = json.loads(out.read_text())
     assert report["phases"]["ddp"]["waiting"] == 0  # ddp's step leaves nothing in flight
     assert all(report["phases"][m]["total"] > 0 for m in ("ddp", "zero1"))
-    assert report["mode_cost"]["ops"] > 0 and report["gathers"]["all_gather_s"] > 0
-    assert "under an empty dispatch mode" in result.stdout and "an exchange of halves" in result.stdout
+    assert report["gathers"]["all_gather_s"] > 0
+    assert "gathered from two ranks: gloo's all-gather" in result.stdout
 
 
 @pytest.mark.processes

@@ -7,7 +7,6 @@ import torch
 
 from paratrain.ddp.buckets import Bucket
 from paratrain.errors import ConfigError
-from paratrain.sharded.in_flight import chunks
 from paratrain.sharded.partition import Piece, alignment, part_size, shard_bucket
 
 
@@ -86,17 +85,3 @@ def test_every_element_is_owned_once_and_parts_are_equal(world):
             at += length
         assert at == n
     assert shards.padded - shards.numel < world * alignment(torch.float32)
-
-
-@pytest.mark.parametrize(
-    "part, most, ranges",
-    [
-        (0, 4, []),
-        (3, 4, [(0, 3)]),  # one all-gather of the whole part
-        (8, 4, [(4, 8), (0, 4)]),  # the highest range first: it holds the first layers
-        (10, 4, [(6, 10), (3, 6), (0, 3)]),  # near-equal, none over the most
-        (9, 1, [(i, i + 1) for i in reversed(range(9))]),
-    ],
-)
-def test_a_part_is_gathered_in_near_equal_ranges_the_highest_first(part, most, ranges):
-    assert chunks(part, most) == ranges

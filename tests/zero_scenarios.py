@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import time
@@ -445,22 +446,22 @@ def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any]
             # the first bucket's all-gather failed: the second's is dropped, so reading every weight now (the
             # user's error handling, a last log line) neither waits for it to the timeout nor raises again
             in_flight = net.in_flight
-            left, waits = in_flight.pending, in_flight.read_waits
+            left, waits = in_flight.pending, in_flight.hook_waits
             read = "read"
             try:
                 [p.detach().clone() for p in net.parameters()]
             except CollectiveError as again:
                 read = f"raised again: {again}"
-            modes = torch._C._len_torch_dispatch_stack()  # the mode left with the error
+            modes = torch._C._len_torch_dispatch_stack()  # nothing of ours on the dispatch stack
             return {"message": str(exc), "seconds": seconds, "left": left, "read": read,
-                    "read_waits": in_flight.read_waits - waits, "modes": modes}  # fmt: skip
+                    "hook_waits": in_flight.hook_waits - waits, "modes": modes}  # fmt: skip
         return "no error"
 
 
 def a_peer_that_dies_with_the_weights_in_flight(rank: int, world: int) -> dict[str, Any] | str:
     """Rank 1 ends after its backward, before its step: rank 0's step or its next forward fails on the all-gather
-    of the weights (at two ranks, a send and a receive), named, at once rather than at the timeout; nothing is
-    left in flight and no mode on the stack."""
+    of the weights, named, at once rather than at the timeout; nothing is left in flight and no mode on the
+    stack."""
     with paratrain.Parallel("zero1", "cpu", timeout=60) as par:
         net = model()
         net, opt = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -473,7 +474,7 @@ def a_peer_that_dies_with_the_weights_in_flight(rank: int, world: int) -> dict[s
             opt.step()
             net(x[:4])
         except CollectiveError as exc:
-            return {"message": str(exc), "seconds": time.monotonic() - started, "exchanges": net.exchanges,
+            return {"message": str(exc), "seconds": time.monotonic() - started,
                     "left": net.in_flight.pending, "modes": torch._C._len_torch_dispatch_stack()}  # fmt: skip
         return "no error"
 
@@ -582,41 +583,6 @@ def peak_memory(rank: int, world: int) -> dict[str, Any] | None:
     return found
 
 
-@contextlib.contextmanager
-def counting_exchanges(found: dict[str, int]) -> Any:
-    """Count zero2's buckets reduce-scattered by exchanging halves with the peer (two ranks, gloo)."""
-    real = ReduceScatter._start_exchange
-
-    def counted(self: ReduceScatter, b: int, seq: int) -> Any:
-        found["buckets"] += 1
-        return real(self, b, seq)
-
-    ReduceScatter._start_exchange = counted  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ReduceScatter._start_exchange = real  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def counting_direct(found: dict[str, int]) -> Any:
-    """Count zero2's large gradients all-reduced as autograd made them (``owned``) and those it copied instead."""
-    from paratrain.sharded import reducer
-
-    real = reducer.owned
-
-    def counted(grad: torch.Tensor, holders: int) -> bool:
-        verdict = real(grad, holders + 1)  # this frame's argument too
-        found["owned" if verdict else "copied"] += 1
-        return verdict
-
-    reducer.owned = counted
-    try:
-        yield
-    finally:
-        reducer.owned = real
-
-
 def first_bucket_overlaps(rank: int, world: int) -> dict[str, int]:
     """How often zero2's backward stopped to wait for a launched bucket before the next took its buffer: with DDP's
     small first bucket reducing while the large second one fills (the budget), and with no budget beyond none in
@@ -646,20 +612,13 @@ def first_bucket_overlaps(rank: int, world: int) -> dict[str, int]:
     return found
 
 
-class _Counting(TorchDispatchMode):
-    """A mode of the user's own (a FLOP counter, say), entered around a step and left before the next forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _signal(path: Path) -> None:
     path.touch()
+
+
+def _signal_first(rank: int, path: Path, *_: Any) -> None:
+    if rank == 0:
+        _signal(path)
 
 
 def _await(path: Path) -> None:
@@ -671,10 +630,10 @@ def _await(path: Path) -> None:
 
 
 def weights_in_flight(rank: int, world: int, directory: str) -> dict[str, Any]:
-    """The step returns with its all-gathers in flight; a read of the weights before the next forward (here an EMA
-    copy, at once) waits for what it reads and sees the updated weights whole, although the peer steps only after
-    rank 0 returned from its step; rank 0's next forward waits in its first layer for the peer, who steps only once
-    that forward has begun."""
+    """The step returns with its all-gathers in flight, although the peer steps only after rank 0 returned from
+    its step; ``wait_weights()`` (stage 1) or a state dict of the user's module (stage 2) right after it waits and
+    sees the updated weights whole; rank 0's next forward waits in its first layer's hook for the peer, who steps
+    only once that forward has begun; nothing is in flight after a forward."""
     found: dict[str, Any] = {}
     marks = Path(directory) / "in-flight"
     marks.mkdir(parents=True, exist_ok=True)
@@ -694,34 +653,31 @@ def weights_in_flight(rank: int, world: int, directory: str) -> dict[str, Any]:
             _signal(marks / f"stepped-{stage}")
         in_flight = model.in_flight
         deferred, pending = in_flight.deferred, in_flight.pending
-        read = [p.detach().clone() for p in model.reducer.params]  # an EMA's copy, right after the step
+        if stage == 1:
+            model.wait_weights()  # an EMA's documented wait, right after the step
+            read = [p.detach().clone() for p in model.reducer.params]
+        else:
+            state = net.state_dict()  # the user's own module: its state dict waits by itself
+            read = [state[name] for name, p in net.named_parameters() if any(p is q for q in model.reducer.params)]
         whole = all(torch.equal(a, b) for a, b in zip(read, expected, strict=True))
-        reads = in_flight.read_waits
         opt.zero_grad()
         model(x).square().mean().backward()  # the next step's forward: nothing is in flight after it
         left = (in_flight.pending, torch._C._len_torch_dispatch_stack())
         if rank == 1:
-            _await(marks / f"forward-{stage}")  # rank 0's next forward has begun, past its first check
+            _await(marks / f"forward-{stage}")  # rank 0's next forward has begun
         opt.step()
-        waits_before = in_flight.read_waits
+        waits_before = in_flight.hook_waits
         begun_mark = marks / f"forward-{stage}"
-        begun = net[0].register_forward_pre_hook(lambda *_, m=begun_mark: _signal(m) if rank == 0 else None)
+        signal = functools.partial(_signal_first, rank, begun_mark)
+        begun = net[0].register_forward_pre_hook(signal, prepend=True)  # before the hook that waits
         model(x)  # rank 0's first layer waits for the peer's all-gather of it
         begun.remove()
-        # a mode of the user's own around the step: the step waits for its all-gathers, as before, and the
-        # user's mode leaves the stack as it came
-        counting = _Counting()
-        with counting:
-            opt.step()
         found[f"zero{stage}"] = {
-            "exchanges": model.exchanges,  # at two ranks on gloo: sends and receives, waited for by a thread
             "deferred": deferred,
             "pending_after_step": pending,
             "read_whole": whole,
-            "read_waits": reads,
             "after_forward": left,
-            "forward_waits": in_flight.read_waits - waits_before,
-            "user_mode": (in_flight.pending, torch._C._len_torch_dispatch_stack(), counting.ops > 0),
+            "forward_waits": in_flight.hook_waits - waits_before,
         }
         model.close()
     return found
@@ -729,14 +685,8 @@ def weights_in_flight(rank: int, world: int, directory: str) -> dict[str, Any]:
 
 def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Every scenario that leaves the process group usable, in one set of processes (start-up is slow)."""
-    direct = {"owned": 0, "copied": 0}
-    exchanged = {"buckets": 0}
-    with counting_direct(direct), counting_exchanges(exchanged):
-        same = exactness(rank, world)
     return {
-        "exactness": same,
-        "direct": direct,
-        "exchanged": exchanged,
+        "exactness": exactness(rank, world),
         "optimizer_surface": optimizer_surface(rank, world),
         "accumulation": accumulation(rank, world),
         "gradients_and_overflow": gradients_and_overflow(rank, world),

@@ -490,8 +490,17 @@ class Parallel:
         self.strategy.barrier()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's model, without the strategy's wrapper (its state_dict has no ``module.`` prefix)."""
+        """The user's model, without the strategy's wrapper (its state_dict has no ``module.`` prefix), its
+        weights whole (the last step's all-gathers waited for: :meth:`wait_weights`)."""
+        self.strategy.wait_weights()
         return self.strategy.unwrap(model)
+
+    def wait_weights(self) -> None:
+        """Wait for the weights the last ``step()`` is still gathering (zero1, zero2 leave those all-gathers in
+        flight until the next forward needs them): call it before reading parameters between a step and the next
+        forward (an EMA, a histogram). ``state_dict()``, :meth:`save`, :meth:`unwrap` and closing wait by
+        themselves; under the other strategies there is nothing to wait for."""
+        self.strategy.wait_weights()
 
     def save(self, state: dict[str, Any], path: str | Path) -> Path | None:
         """Write a training state atomically; every process calls it and waits for it.

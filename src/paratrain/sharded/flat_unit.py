@@ -1,7 +1,7 @@
 """One zero3 unit's weights as a flat buffer: this rank's shard, the whole buffer gathered only while it is used.
 
     unit = ShardedUnit(0, plan[0], rank, world_size)      # plan: paratrain.sharded.units.plan_units(model)
-    unit.launch_gather(group, monitor); unit.wait_gather(monitor); unit.use()   # parameters: views of the buffer
+    unit.launch_gather(ops, monitor); unit.wait_gather(monitor); unit.use()   # views of the gathered buffer
     unit.free()                                           # storage released; parameters rest (shape kept, NaN)
 
 The layout is zero1/zero2's for one bucket (:func:`paratrain.sharded.partition.shard_bucket`): the unit's
@@ -19,22 +19,13 @@ from typing import Any
 import torch
 
 from paratrain.comm.collectives import CollectiveMonitor
-from paratrain.comm.process_groups import no_python_in_work
+from paratrain.comm.ops import GroupOps
 from paratrain.ddp.buckets import Bucket
 from paratrain.errors import DistributedError
-from paratrain.sharded.owned import owned
-from paratrain.sharded.pair_gather import PairGather
 from paratrain.sharded.partition import BucketShards, Piece, shard_bucket
-from paratrain.sharded.reducer import all_gather_into
 from paratrain.sharded.units import UnitPlan
 
-__all__ = ["DIRECT_MIN_NUMEL", "ShardedUnit", "unit_layout"]
-
-# a parameter of at least this many elements and at least a quarter of its unit is reduced as a tensor of its own in
-# a synchronising backward on gloo (see ShardedUnit.open_grad): its copy into the unit's flat gradient would be a
-# second whole copy of most of the unit's gradient. Below 64Ki elements (256 KiB in fp32) the copy saved is small
-# next to a collective's fixed cost, and the unit's small parameters share one flat buffer (one collective)
-DIRECT_MIN_NUMEL = 1 << 16
+__all__ = ["ShardedUnit", "unit_layout"]
 
 
 def unit_layout(
@@ -85,22 +76,10 @@ class ShardedUnit:
         self.grad_full: torch.Tensor | None = None
         self.holds = [False] * len(self.params)  # grad_full has a value for parameter i
         self.shard_grad: torch.Tensor | None = None
-        # the large parameters (DIRECT_MIN_NUMEL, a quarter of the unit), whose gradient a synchronising backward on
-        # gloo reduces as a tensor of its own, and the small ones, back to back in one flat buffer meanwhile
-        total = sum(numels)
-        self.large = [i for i in self.trainable if numels[i] >= max(DIRECT_MIN_NUMEL, (total + 3) // 4)]
-        small = [i for i in self.trainable if i not in self.large]
-        self.small_offsets = {i: sum(numels[j] for j in small[:k]) for k, i in enumerate(small)}
-        self.small_numel = sum(numels[i] for i in small)
-        self.split = False  # this backward's gradients: the large ones in `direct`, the small ones in grad_small
-        self.direct: dict[int, torch.Tensor] = {}
-        self.grad_small: torch.Tensor | None = None
         self.checksum = 0.0  # the whole unit's sum when it was materialised from the meta device
         self._reset_backward()
 
     def _reset_backward(self) -> None:
-        if self.split:  # left by a backward that raised before its reduce was settled: nothing to keep
-            self.split, self.direct, self.grad_small = False, {}, None
         self.pending = len(self.trainable)  # trainable parameters whose gradient has not arrived in this backward
         self.arrived = [False] * len(self.params)
         self.backward_started = False
@@ -113,23 +92,13 @@ class ShardedUnit:
     def own_part(self) -> torch.Tensor:
         return self.full.narrow(0, self.rank * self.part, self.part)
 
-    def launch_gather(self, group: Any, monitor: CollectiveMonitor, pair: PairGather | None = None) -> None:
-        """Start gathering every rank's shard into the whole buffer: an all-gather, or with ``pair`` (two ranks on
-        gloo) a send of this rank's shard and a receive of the peer's, this rank's copied in meanwhile."""
+    def launch_gather(self, ops: GroupOps, monitor: CollectiveMonitor) -> None:
+        """Start gathering every rank's shard into the whole buffer."""
         if self.gathered or self.gathering is not None:
             return
         self.full.untyped_storage().resize_(self._bytes)
         seq = monitor.launched()
-        if pair is not None:
-            theirs = self.full.narrow(0, (1 - self.rank) * self.part, self.part)
-            done = pair.exchange(self.shard, theirs, seq)
-            with torch.no_grad():
-                self.own_part().copy_(self.shard)
-            self.gathering = (done, seq)
-            return
-        with no_python_in_work():
-            work = all_gather_into(self.full, self.shard, group)
-        self.gathering = (work, seq)
+        self.gathering = (ops.all_gather(self.full, self.shard), seq)
 
     def wait_gather(self, monitor: CollectiveMonitor) -> None:
         if self.gathering is not None:
@@ -181,10 +150,6 @@ class ShardedUnit:
             )
         self.arrived[i] = True
         self.pending -= 1
-        if self.split:
-            with torch.no_grad():
-                self._take_split(i, grad)
-            return
         assert self.grad_full is not None, "open_grad() comes first"
         slot = self.grad_full.narrow(0, self.offsets[i], p.numel()).view_as(p)
         if grad.requires_grad:
@@ -203,53 +168,18 @@ class ShardedUnit:
                     slot.div_(self.world_size)
             self.holds[i] = True
 
-    def _take_split(self, i: int, grad: torch.Tensor) -> None:
-        """A gradient of a split backward (open_grad): divided by the world size, as take_grad divides into the flat
-        buffer (the same operation on the same numbers), a large parameter's kept as a tensor of its own: autograd's
-        own, divided in place, where nothing else can see it, or else a copy."""
-        p = self.params[i]
-        if i in self.small_offsets:
-            assert self.grad_small is not None, "open_grad() comes first"
-            slot = self.grad_small.narrow(0, self.small_offsets[i], p.numel()).view_as(p)
-        # holders: take_grad's local and this method's argument
-        elif grad.dtype == self.dtype and grad.device == self.device and owned(grad, holders=2):
-            self.direct[i] = grad.div_(self.world_size)
-            return
-        else:
-            slot = torch.empty(p.shape, dtype=self.dtype, device=self.device)
-            self.direct[i] = slot
-        if grad.requires_grad:
-            grad = grad.detach()
-        if grad.dtype == slot.dtype:
-            torch.div(grad, self.world_size, out=slot)
-        else:
-            slot.copy_(grad)
-            slot.div_(self.world_size)
-
-    def open_grad(self, group: Any, monitor: CollectiveMonitor, split: bool = False) -> None:
+    def open_grad(self, ops: GroupOps, monitor: CollectiveMonitor) -> None:
         """The unit's whole gradient, before the first of a backward's gradients goes in: zeros, or the reduced
         gradient kept from an earlier backward (gathered from every rank), to which autograd's are added as to
-        ``.grad`` under ddp, in ddp's order; the next reduce-scatter then replaces this rank's part.
-
-        ``split`` (a synchronising backward whose reduce is an all-reduce in place, on gloo): where nothing is kept
-        from an earlier backward and the unit has large parameters, there is no whole gradient: each large
-        parameter's gradient is all-reduced as a tensor of its own (autograd's, not copied), the small ones in one
-        flat buffer of their own, and this rank's part of each goes into the shard's gradient (add_split)."""
-        if self.grad_full is not None or self.split:
-            return
-        if split and self.large and self.world_size > 1 and self.shard_grad is None:
-            self.split = True
-            self.direct = {}
-            self.grad_small = torch.empty(self.small_numel, dtype=self.dtype, device=self.device)
-            self.holds = [False] * len(self.params)
+        ``.grad`` under ddp, in ddp's order; the next reduce-scatter then replaces this rank's part."""
+        if self.grad_full is not None:
             return
         # what no gradient fills is zeroed before the reduce-scatter (ready_to_reduce), not here: one pass less
         self.grad_full = torch.empty(self.layout.padded, dtype=self.dtype, device=self.device)
         self.holds = [False] * len(self.params)
         if self.shard_grad is not None:
             seq = monitor.launched()
-            with no_python_in_work():
-                work = all_gather_into(self.grad_full, self.shard_grad, group)
+            work = ops.all_gather(self.grad_full, self.shard_grad)
             monitor.wait(work, seq, f"all-gather of the kept gradients of unit {self.label}")
             self.holds = [p.requires_grad for p in self.params]
             self.shard_grad = None
@@ -258,9 +188,6 @@ class ShardedUnit:
         """Before a reduce-scatter: the slots of parameters without a gradient in this backward divided too (a
         gradient kept from an earlier backward), and every element nothing filled zeros (the slots of parameters
         that have no gradient, frozen ones, the padding)."""
-        if self.split:
-            self._ready_split()
-            return
         full = self.grad_full
         assert full is not None, "open_grad() comes first"
         with torch.no_grad():
@@ -278,68 +205,15 @@ class ShardedUnit:
             if covered < full.numel():
                 full.narrow(0, covered, full.numel() - covered).zero_()
 
-    def _ready_split(self) -> None:
-        """A split backward's ready_to_reduce: zeros for the gradients that did not arrive."""
-        with torch.no_grad():
-            for i in self.trainable:
-                if self.arrived[i] or i in self.direct:
-                    continue
-                if i in self.small_offsets:
-                    assert self.grad_small is not None
-                    self.grad_small.narrow(0, self.small_offsets[i], self.params[i].numel()).zero_()
-                else:
-                    self.direct[i] = torch.zeros(self.params[i].shape, dtype=self.dtype, device=self.device)
-
-    def to_reduce(self) -> list[torch.Tensor]:
-        """What a split backward all-reduces, in the same order on every rank: the large parameters' gradients in
-        the unit's order, then the small ones' buffer (when there are small ones)."""
-        assert self.split and len(self.direct) == len(self.large), "ready_to_reduce() comes first"
-        tensors = [self.direct[i] for i in self.large]
-        if self.small_numel:
-            assert self.grad_small is not None
-            tensors.append(self.grad_small)
-        return tensors
-
-    def add_split(self) -> None:
-        """After a split backward's all-reduces: this rank's part of the unit's flat layout, from each parameter's
-        summed gradient (zeros where no gradient goes: frozen parameters, the padding), as the flat buffer's part."""
-        lo = self.rank * self.part
-        hi = lo + self.part
-        part = torch.empty(self.part, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            covered = lo
-            for i in sorted(range(len(self.params)), key=lambda i: self.offsets[i]):
-                begin, end = max(self.offsets[i], lo), min(self.offsets[i] + self.params[i].numel(), hi)
-                if begin >= end:
-                    continue
-                if begin > covered:
-                    part.narrow(0, covered - lo, begin - covered).zero_()
-                target = part.narrow(0, begin - lo, end - begin)
-                at = begin - self.offsets[i]
-                if i in self.direct:
-                    target.copy_(self.direct[i].reshape(-1).narrow(0, at, end - begin))
-                elif i in self.small_offsets:
-                    assert self.grad_small is not None
-                    target.copy_(self.grad_small.narrow(0, self.small_offsets[i] + at, end - begin))
-                else:
-                    target.zero_()  # frozen
-                covered = end
-            if covered < hi:
-                part.narrow(0, covered - lo, hi - covered).zero_()
-        self.add_reduced(part)
-
     def add_reduced(self, part: torch.Tensor) -> None:
         """This rank's part of the reduced gradient (which holds what the unit kept before: see open_grad)."""
         self.shard_grad = part
         self.clear_grads()
 
     def clear_grads(self) -> None:
-        """Drop the gradients of a backward in progress (the whole one, or a split backward's)."""
+        """Drop the gradients of a backward in progress."""
         self.grad_full = None
         self.holds = [False] * len(self.params)
-        self.split = False
-        self.direct = {}
-        self.grad_small = None
 
     # -- this rank's pieces -----------------------------------------------------------------------------------
 

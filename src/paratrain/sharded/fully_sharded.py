@@ -15,11 +15,9 @@ so the model runs the same whether called through the wrapper or directly:
   through a training forward, its backward comes first); between uses a parameter keeps its shape and reads NaN;
 - a hook on the unit's outputs gathers the weights again before its backward; once every gradient of the unit
   has arrived they are divided by the world size (as our DDP divides them) and summed by a reduce-scatter into
-  this rank's part of the shard's gradient (:mod:`paratrain.sharded.unit_reduce`). On gloo the sum is an all-reduce
-  in place, this rank's part kept; in a synchronising backward that adds to nothing kept, a large parameter's
-  gradient (a quarter of its unit or more, :data:`~paratrain.sharded.flat_unit.DIRECT_MIN_NUMEL` elements at least)
-  is all-reduced as a tensor of its own, autograd's own divided in place, not copied into a flat buffer first, and
-  the small ones share one buffer; that reduce is settled before the next unit's backward computes its gradients.
+  this rank's part of the shard's gradient (:mod:`paratrain.sharded.unit_reduce`, through
+  :class:`~paratrain.comm.ops.GroupOps`); where that reduce is an all-reduce in place (gloo) it is settled before the
+  next unit's backward computes its gradients.
   Gradients add up across backwards as ``.grad`` does, in ddp's order: a gradient kept from an earlier backward
   is gathered back as the next one begins, autograd's added to it, and the sum divided and reduced again. Inside
   ``no_sync`` the unit's whole gradients are kept, and reduced by the next synchronising backward;
@@ -47,6 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
+from paratrain.comm.ops import GroupOps
 from paratrain.comm.process_groups import to_seconds
 from paratrain.ddp.setup import agree_at_start_up
 from paratrain.diagnostics.stacks import UserLine
@@ -56,8 +55,6 @@ from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
 from paratrain.sharded.meta_init import check_same_everywhere, materialize_units
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
-from paratrain.sharded.pair_gather import PairGather
-from paratrain.sharded.reducer import all_gather_into
 from paratrain.sharded.unit_reduce import MAX_REDUCING, UnitReduces
 from paratrain.sharded.units import DEFAULT_MIN_PARAMS, UnitPlan, UnitSpec, plan_units
 from paratrain.tree import flatten
@@ -127,6 +124,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         self._control = self._control_device(device)
         signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
         namespace = agree_at_start_up(self.process_group, signature, self._timeout, self._control)
+        self.ops = GroupOps(self.process_group)
         self.monitor = CollectiveMonitor(
             self.process_group, self._timeout, namespace=namespace.replace("ddp-", "zero3-"), report_path=hang_report
         )
@@ -142,13 +140,10 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         else:
             self.units = [self._shard_unit(i, unit_plan) for i, unit_plan in enumerate(plan)]
         self.params = [p for unit in self.units for p in unit.params]
-        # two ranks on gloo: each unit's all-gather is a send and a receive (paratrain.sharded.pair_gather)
-        shards = [u.shard for u in self.units]
-        self._pair = PairGather.between(self.process_group, self.world_size, shards, "paratrain-zero3")
         self._unit_of = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.params)}
         self._sync = True  # the backward to come reduces (set by each training forward)
         self._callback_queued = False
-        self._reduces = UnitReduces(self.process_group, self.monitor)
+        self._reduces = UnitReduces(self.ops, self.monitor)
         self._order: list[int] | None = None  # the units in the order the first training forward ran them
         self.prefetched = {"forward": 0, "backward": 0}  # all-gathers started ahead of their unit
         self._recording: list[int] | None = None
@@ -257,13 +252,8 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         if self._forwards > self._forwards_per_backward and self.before_extra_forward is not None:
             self.before_extra_forward(list(self._forward_sites), self._forwards)
 
-    @property
-    def exchanges(self) -> bool:
-        """Whether each unit's all-gather is a send and a receive (two ranks on gloo)."""
-        return self._pair is not None
-
     def _gather(self, unit: ShardedUnit) -> None:
-        unit.launch_gather(self.process_group, self.monitor, self._pair)
+        unit.launch_gather(self.ops, self.monitor)
         unit.wait_gather(self.monitor)
         unit.use()
 
@@ -285,7 +275,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         for index in ahead:
             if self._held(self.units[index], backward):
                 continue
-            self.units[index].launch_gather(self.process_group, self.monitor, self._pair)
+            self.units[index].launch_gather(self.ops, self.monitor)
             self.prefetched["backward" if backward else "forward"] += 1
 
     @staticmethod
@@ -351,7 +341,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def _on_grad(self, unit: ShardedUnit, i: int) -> None:
         self._begin_backward()
         if unit.params[i].grad is not None:
-            unit.open_grad(self.process_group, self.monitor, split=self._split())
+            unit.open_grad(self.ops, self.monitor)
         unit.take_grad(i, self._sync)
         if unit.pending == 0:
             if self._sync:
@@ -368,16 +358,11 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         if unit.pending == 0 and (unit.inputs_done or not unit.waits_for_inputs) and unit is not self._root_unit():
             unit.free()
 
-    def _split(self) -> bool:
-        """Whether a unit's gradients may be reduced parameter by parameter (ShardedUnit.open_grad): a synchronising
-        backward whose reduce is an all-reduce in place (gloo)."""
-        return self._sync and self._reduces.in_place
-
     def _reduce(self, unit: ShardedUnit) -> None:
         if unit.reduce_launched or not unit.trainable:
             return
         unit.reduce_launched = True
-        unit.open_grad(self.process_group, self.monitor, split=self._split())
+        unit.open_grad(self.ops, self.monitor)
         unit.ready_to_reduce()
         self._reduces.launch(unit)
 
@@ -499,7 +484,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def _all_gather(self, unit: ShardedUnit, part: torch.Tensor, what: str) -> torch.Tensor:
         whole = torch.empty(unit.layout.padded, dtype=unit.dtype, device=unit.device)
         seq = self.monitor.launched()
-        self.monitor.wait(all_gather_into(whole, part, self.process_group), seq, what)
+        self.monitor.wait(self.ops.all_gather(whole, part), seq, what)
         return whole
 
     def full_gradients(self) -> dict[int, torch.Tensor | None]:
@@ -587,8 +572,6 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._pair is not None:
-            self._pair.close()
         self._finalizer()
 
     # -- what DDP offers and this wrapper does not ------------------------------------------------------------

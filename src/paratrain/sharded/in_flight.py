@@ -1,161 +1,114 @@
-"""zero1's and zero2's updated weights, all-gathered while the script goes on: every read of them waits first.
+"""zero1's and zero2's updated weights, all-gathered while the script goes on, and the points that wait for them.
 
-    in_flight = WeightsInFlight(buffers, monitor)   # the flat buffers the model's parameters are views of
-    in_flight.hold([(bucket, work, seq), ...])      # the step launched these all-gathers; it returns at once
-    ema.update(model.parameters())                  # an op on a weight in flight waits for its bucket, then runs
-    model(x)                                        # the forward's first layer waits for its bucket only
-    in_flight.settle()                              # wait for every one (the forward's end, the next step, save)
+    in_flight = WeightsInFlight(model, bucket_of, monitor)   # bucket_of: each bucketed parameter's bucket, by id
+    in_flight.hold([Gather(bucket, work, seq), ...])         # the step launched these all-gathers; it returns at once
+    model(x)                                                 # each module's forward waits for its own buckets first
+    in_flight.settle()                                       # every one (the forward's end, state_dict, save, close)
 
 After the update every rank all-gathers each bucket's new weights from their owners. Waiting for those inside
-``step()`` leaves them exposed; FSDP hides them behind the next forward, whose weights at rest are shards that
-no other code can read. Ours rest as whole tensors that a script may read between the step and the forward (an
-EMA, a checkpoint, a histogram), which would see weights half written. So while a bucket's all-gather is in
-flight, a dispatch mode (:class:`_ReadsWait`) looks at every torch operation this thread runs: one that touches
-a bucket in flight (its storage) waits for that bucket's all-gather first, and then runs. The forward's own
-operations wait as they reach each bucket (the step gathers the first layers' buckets first), so the first layer
-computes while the last layers' weights arrive. The mode leaves as soon as nothing is in flight: when a module
-starts its forward and finds every all-gather done (:meth:`poll`, a global forward pre-hook registered only
-while the mode is entered), and at the latest when the wrapper's forward returns, so backward never runs under
-it. Code compiled with ``torch.compile`` runs eagerly while the mode is entered (dynamo steps aside for dispatch
-modes), which is correct, and only until the all-gathers are done.
+``step()`` leaves them exposed; as FSDP2 and Megatron's ``overlap_param_gather`` do, they are waited for where they
+are needed instead: a forward pre-hook on every module that holds bucketed parameters waits for those parameters'
+buckets, so the first layer computes while the last layers' weights arrive (the step gathers the first layers'
+buckets first). The wrapper's forward settles whatever its modules did not reach before it returns, so backward
+never runs with an all-gather in flight; ``state_dict``, ``Parallel.save``, ``close`` and the next ``step`` settle
+too, and ``Parallel.wait_weights()`` is the public wait for code that reads the weights between the step and the
+next forward (an EMA, a histogram): the table in docs/sharding.md.
 
-What the mode cannot see, and waits explicitly instead: what reads a tensor's memory without a torch operation
-(``torch.save`` of the raw tensors, ``.numpy()`` of ``p.data``), which paratrain's save, state dicts and
-pickling settle before; and another thread's reads (the mode is this thread's).
+Where the backend waits on the device (NCCL: the current stream waits for the collective, the host goes on) the
+step's end waits at once: nothing is left to the hooks, and later kernels see the gathered weights in order.
 
-Deferring is skipped (the step waits, as before) when another dispatch mode is active at the end of the step:
-a mode entered around the step and left before the next forward would otherwise pop ours off the stack.
+Under ``torch.compile`` the wrapper settles before the compiled module runs (one graph break at the top of the
+wrapper's forward when the wrapper itself is compiled), so the hooks inside the compiled graph find nothing in
+flight and the module's forward stays one graph.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
+import functools
+import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from paratrain.comm.collectives import CollectiveMonitor
 from paratrain.comm.process_groups import keep_forever
 
-__all__ = ["CHUNK_ELEMENTS", "Gather", "WeightsInFlight", "chunks"]
-
-CHUNK_ELEMENTS = 1 << 20  # the most elements of each rank's part that one all-gather carries (4 MiB of fp32)
-
-
-def chunks(part: int, most: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
-    """``[0, part)`` cut into near-equal ranges of at most ``most`` elements, the highest first.
-
-    Every rank's part of a bucket is gathered range by range, the same range of each part at once. A bucket holds
-    its parameters in reverse order, so the highest range of the last part holds the first layers: gathered first,
-    the forward's first layer waits for it alone."""
-    if part <= 0:
-        return []
-    count = -(-part // most)
-    bounds = [part * i // count for i in range(count + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in reversed(range(count))]
+__all__ = ["Gather", "WeightsInFlight", "settle_outside_graph"]
 
 
 @dataclass
 class Gather:
-    """One all-gather in flight: range ``[lo, hi)`` of every rank's part of bucket ``bucket``; ``work`` is its
-    ``Work``, or at two ranks on gloo the future of its send and receive."""
+    """One bucket's all-gather of updated weights in flight: its ``Work`` and collective number."""
 
     bucket: int
-    lo: int
-    hi: int
     work: Any
     seq: int
 
 
 class WeightsInFlight:
-    """The all-gathers of updated weights not waited for yet, and the mode that makes reads of them wait."""
+    """The all-gathers of updated weights not waited for yet, and the hooks that wait for them where they are read."""
 
-    def __init__(self, buffers: Sequence[torch.Tensor], parts: Sequence[int], monitor: CollectiveMonitor) -> None:
+    def __init__(self, module: nn.Module, bucket_of: dict[int, int], monitor: CollectiveMonitor) -> None:
         self._monitor = monitor
-        self._buffers = list(buffers)
-        self._parts = list(parts)
-        self._bucket_of = {_storage(t): b for b, t in enumerate(buffers) if t.numel()}
-        self._pending: list[Gather] = []  # in launch order
-        self._mode: _ReadsWait | None = None  # entered while anything is in flight (or until it can leave)
-        self._hook: Any = None  # a forward pre-hook on every module, while the mode is entered: poll()
-        self._thread = threading.get_ident()  # the thread whose operations the mode sees (the step's)
+        self._pending: dict[int, Gather] = {}  # by bucket, in launch order
+        self._defer = monitor.host_waits  # NCCL waits on the stream: the step's end waits at once
         self.deferred = 0  # all-gathers that a step left in flight (tests count them)
-        self.read_waits = 0  # all-gathers an operation waited for before it ran
+        self.hook_waits = 0  # all-gathers a module's forward waited for before it ran
+        self._handles: list[RemovableHandle] = []
+        ref = weakref.ref(self)
+        for sub in module.modules():
+            buckets = sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in bucket_of})
+            if buckets:
+                hook = functools.partial(_before_forward, ref, tuple(buckets))
+                self._handles.append(sub.register_forward_pre_hook(hook))
+        # a state dict of the model (or of any module in it, through the wrapper or not) copies whole weights
+        self._handles.append(module.register_state_dict_pre_hook(functools.partial(_before_state_dict, ref)))
 
     @property
     def pending(self) -> bool:
         return bool(self._pending)
 
     def hold(self, gathers: Sequence[Gather]) -> None:
-        """``gathers`` were launched: leave them in flight, every read of what they write waiting for them first.
-
-        Waits for them at once instead when another dispatch mode is active (see the module docstring)."""
-        self._pending.extend(gathers)
-        if not self._pending:
-            return
-        if self._mode is None and torch._C._len_torch_dispatch_stack() > 0:
+        """``gathers`` were launched: leave them in flight for the forward's hooks (or, NCCL, wait on the stream)."""
+        for gather in gathers:
+            self._pending[gather.bucket] = gather
+        if not self._defer:
             self.settle()
             return
         self.deferred += len(gathers)
-        if self._mode is None:
-            self._thread = threading.get_ident()
-            self._mode = _ReadsWait(self)
-            self._mode.__enter__()
-            self._hook = register_module_forward_pre_hook(lambda module, args: self.poll())
 
-    def wait_for(self, tensors: Sequence[Any]) -> None:
-        """Wait for every all-gather in flight that writes what one of ``tensors`` (or a list of them) covers."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                b = self._bucket_of.get(_storage(t))
-                if b is not None:
-                    self._wait_covering(b, t)
-            elif isinstance(t, (list, tuple)):
-                self.wait_for(t)
-            if not self._pending:
-                return
-
-    def _wait_covering(self, b: int, t: torch.Tensor) -> None:
-        part, buffer = self._parts[b], self._buffers[b]
-        whole = not t.is_contiguous() or t.dtype != buffer.dtype  # its extent is not one range: all of the bucket
-        start = t.storage_offset()
-        end = start + t.numel()
-        ranks = range(-(-end // part))  # the parts [start, end) may reach
-        for gather in [g for g in self._pending if g.bucket == b]:
-            if whole or any(start < r * part + gather.hi and r * part + gather.lo < end for r in ranks):
-                self.read_waits += 1
+    def wait_buckets(self, buckets: Iterable[int]) -> None:
+        """Wait for the all-gathers in flight of ``buckets``."""
+        for b in buckets:
+            gather = self._pending.get(b)
+            if gather is not None:
+                self.hook_waits += 1
                 self._wait(gather)
 
-    def poll(self) -> None:
-        """Finish the all-gathers already done; leave the mode when none is in flight. Only in the thread that
-        stepped (a module run by another thread is not this one's forward)."""
-        if threading.get_ident() != self._thread:
-            return
-        while self._pending and _finished(self._pending[0].work):  # gloo completes them in launch order
-            self._wait(self._pending[0])
-        if not self._pending:
-            self._leave()
-
     def settle(self) -> None:
-        """Wait for every all-gather in flight, and leave the mode: from here on the weights are whole."""
+        """Wait for every all-gather in flight: from here on the weights are whole."""
         while self._pending:
-            self._wait(self._pending[0])
-        self._leave()
+            self._wait(next(iter(self._pending.values())))
 
     def drop(self) -> None:
         """Stop tracking what is in flight, without waiting (the job is ending on an error): gloo may still write
         into the buffers, so each Work is kept to the end of the process."""
-        for gather in self._pending:
+        for gather in self._pending.values():
             keep_forever(gather.work)
         self._pending.clear()
-        self._leave()
+
+    def close(self) -> None:
+        """Remove the hooks from the user's modules."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _wait(self, gather: Gather) -> None:
-        self._pending.remove(gather)
+        del self._pending[gather.bucket]
         what = f"all-gather of updated parameters, bucket {gather.bucket}"
         try:
             self._monitor.wait(gather.work, gather.seq, what)
@@ -163,44 +116,25 @@ class WeightsInFlight:
             self.drop()  # the job is failing: later reads must not wait for the rest, each to its timeout
             raise
 
-    def _leave(self) -> None:
-        mode = self._mode
-        if mode is not None and _get_current_dispatch_mode() is mode:  # never pop a mode of someone else's
-            self._mode = None
-            mode.__exit__(None, None, None)
-            self._hook.remove()
-            self._hook = None
-        # otherwise a mode entered after ours is above it: ours stays, passing every operation through, and
-        # leaves at the next poll or settle that finds it on top
+
+def _before_forward(ref: weakref.ref[WeightsInFlight], buckets: tuple[int, ...], module: nn.Module, args: Any) -> None:
+    weights = ref()
+    if weights is not None and weights._pending:
+        _wait_outside_graph(weights, buckets)
 
 
-class _ReadsWait(TorchDispatchMode):
-    """Every operation on a bucket whose all-gather is in flight waits for it first (module docstring)."""
-
-    def __init__(self, weights: WeightsInFlight) -> None:
-        super().__init__()
-        self.weights = weights
-
-    def __torch_dispatch__(  # type: ignore[override]
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if self.weights.pending:
-            self.weights.wait_for(args)
-            if kwargs:
-                self.weights.wait_for(list(kwargs.values()))
-        return func(*args, **kwargs)
+def _before_state_dict(ref: weakref.ref[WeightsInFlight], module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    weights = ref()
+    if weights is not None:
+        weights.settle()
 
 
-def _finished(work: Any) -> bool:
-    """Whether an all-gather's ``Work``, or the future of a send and receive (:mod:`paratrain.comm.work_waiter`), is
-    done."""
-    return bool(work.done() if isinstance(work, torch.futures.Future) else work.is_completed())
+@torch._dynamo.disable  # type: ignore[untyped-decorator]  # a collective's wait: eager, a graph break where it is reached
+def _wait_outside_graph(weights: WeightsInFlight, buckets: tuple[int, ...]) -> None:
+    weights.wait_buckets(buckets)
 
 
-def _storage(t: torch.Tensor) -> int:
-    """The address of ``t``'s memory (views of one buffer share it); 0 for a tensor without storage."""
-    try:
-        return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # a wrapper subclass (the sharded gradients' placeholders)
-        return 0
+@torch._dynamo.disable  # type: ignore[untyped-decorator]
+def settle_outside_graph(weights: WeightsInFlight) -> None:
+    """:meth:`WeightsInFlight.settle`, run eagerly when reached inside code that ``torch.compile`` traces."""
+    weights.settle()

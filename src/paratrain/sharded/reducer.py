@@ -12,19 +12,9 @@ DDP reducer's (:mod:`paratrain.ddp.reducer`, which calls this collective as it c
   reducer keeps for a step must not keep the bytes); a new buffer is taken once the launched buckets' buffers
   and it fit in the largest bucket's bytes plus :data:`SMALL_IN_FLIGHT_BYTES` (the oldest are waited for until
   they do: :func:`held_at_most`), so the full gradient never exists at once;
-- on CPU (gloo) a bucket is all-reduced in place and this rank's part copied out: gloo's own reduce-scatter is that
-  all-reduce on a clone of the whole bucket, which its Work holds, so every bucket's clone would live through the
-  step and the next backward, above zero1's and ddp's peak; the sums are the same numbers;
-- on gloo at two ranks a parameter of :data:`DIRECT_MIN_NUMEL` elements or more, and a quarter of its bucket or more,
-  is all-reduced as autograd made its gradient, divided in place (where :func:`~paratrain.sharded.owned.owned`
-  shows nothing else refers to it; else a copy), and the bucket's small parameters share a buffer of their own: no
-  copy of the whole gradient into fresh pages every backward. A sum of two is the same in any order, so the numbers
-  are the flat buffer's; at three ranks and more the one flat buffer stays, as its layout sums in DDP's order;
-- at two ranks on gloo the reduce-scatter is an exchange (:meth:`ReduceScatter._start_exchange`): each rank sends
-  its peer the peer's half (of the flat buffer, or piece by piece of each large gradient), receives the peer's copy
-  of its own half into its part and adds its own: half the bytes of the all-reduce, and no copy of the part out
-  of the buffer; the same sums, a sum of two being the same in either order. From the first clip on, the
-  all-reduce in place returns, since it measures the whole gradients' norms as it goes;
+- the sum is :class:`~paratrain.comm.ops.GroupOps`'s reduce-scatter (on gloo an all-reduce in place with this
+  rank's part copied out, the whole sum in the buffer until then: each parameter's norm is measured there once a
+  clip asked for norms);
 - each parameter's gradient is copied in (divided by the world size, as DDP divides it) and its ``.grad`` freed
   at once; inside ``no_sync`` gradients accumulate in ``.grad`` as under DDP, and the synchronising backward
   copies the sum;
@@ -52,16 +42,15 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.collectives import CollectiveMonitor
-from paratrain.comm.process_groups import keep_forever, no_python_in_work
+from paratrain.comm.ops import GroupOps, Reduction
 from paratrain.ddp.bucket_collective import BucketCollective
 from paratrain.ddp.buckets import FIRST_BUCKET_BYTES, Bucket
 from paratrain.errors import DistributedError
 from paratrain.sharded.grad_norm import tensor_norm
 from paratrain.sharded.guard import GradientGuard
-from paratrain.sharded.owned import owned
 from paratrain.sharded.partition import BucketShards, shard_bucket
 
-__all__ = ["DIRECT_MIN_NUMEL", "ReduceScatter", "all_gather_into", "held_at_most", "reduce_scatter_into"]
+__all__ = ["ReduceScatter", "held_at_most"]
 
 # a bucket's buffer is taken while launched buckets still hold theirs only within the largest bucket's bytes plus
 # DDP's small first bucket: the first bucket (launched early so that communication starts early) then reduces while
@@ -69,33 +58,11 @@ __all__ = ["DIRECT_MIN_NUMEL", "ReduceScatter", "all_gather_into", "held_at_most
 # peak rises by at most 1 MiB. Two large buckets at once put zero2's peak during backward above zero1's at the
 # 53.6M MLP
 SMALL_IN_FLIGHT_BYTES = FIRST_BUCKET_BYTES
-# at two ranks on gloo, a parameter of at least this many elements and a quarter of its bucket or more is all-reduced
-# as autograd made its gradient (divided in place), not copied into the bucket's flat buffer: the copy, into pages
-# that fault in every backward (the buffer is freed between backwards), cost zero2 about a tenth of a step against
-# zero1 at the 10M MLP. Smaller shares save less than a collective of their own costs (a small GPT's blocks, each a
-# few percent of a bucket, were 3% slower reduced one by one)
-DIRECT_MIN_NUMEL = 1 << 16
-# the tags of zero2's exchanges (two ranks, gloo): a range of their own, each operation's the monitor's number above it
-TAG_BASE = 1 << 28
 
 
 def held_at_most(sizes: Sequence[int]) -> int:
     """The most bytes of bucket buffers held at once during a backward, given each bucket's buffer bytes."""
     return min(sum(sizes), max(sizes, default=0) + SMALL_IN_FLIGHT_BYTES)
-
-
-def reduce_scatter_into(output: torch.Tensor, buffer: torch.Tensor, group: Any) -> Any:
-    """Start the sum of every rank's ``buffer`` into each rank's ``output`` (its part): the Work."""
-    single = getattr(dist, "reduce_scatter_single", None)  # torch's newer name; reduce_scatter_tensor before
-    start = single if single is not None else dist.reduce_scatter_tensor
-    return start(output, buffer, group=group, async_op=True)
-
-
-def all_gather_into(buffer: torch.Tensor, part: torch.Tensor, group: Any) -> Any:
-    """Start gathering every rank's ``part`` into ``buffer`` (``part`` may be this rank's slice of it): the Work."""
-    single = getattr(dist, "all_gather_single", None)  # torch's newer name; all_gather_into_tensor before
-    start = single if single is not None else dist.all_gather_into_tensor
-    return start(buffer, part, group=group, async_op=True)
 
 
 class ReduceScatter(BucketCollective):
@@ -114,7 +81,8 @@ class ReduceScatter(BucketCollective):
         monitor: CollectiveMonitor,
     ) -> None:
         super().__init__(params, names, buckets, group=group, monitor=monitor)
-        self.rank = dist.get_rank(group)
+        self.ops = GroupOps(group)
+        self.rank = self.ops.rank
         numels = [p.numel() for p in self.params]
         self.shards: list[BucketShards] = [shard_bucket(b, numels, self.world_size) for b in self.buckets]
         # this rank's part of each bucket's summed gradient: its pieces' gradients, kept between steps
@@ -128,44 +96,24 @@ class ReduceScatter(BucketCollective):
         self._placeholders = [torch.empty(0, dtype=b.dtype, device=b.device) for b in self.buckets]
         self.buffers = list(self._placeholders)
         self.views = [self._placeholders[self.bucket_of[i]] for i in range(len(self.params))]
-        # gloo's reduce-scatter clones the whole input and all-reduces the clone, which the Work keeps (and the
-        # reducer keeps each Work a step): CPU buckets are all-reduced in place and this rank's part copied out
-        self.in_place = all(b.device.type == "cpu" for b in self.buckets) or dist.get_backend(group) == "gloo"
-        # at two ranks on gloo, each bucket's large parameters are reduced as tensors of their own (``direct``), its
-        # small ones in a flat buffer of their own (``small_at``: each one's offset in it); a sum of two is the same
-        # in any order, so the numbers are the flat buffer's. Elsewhere every bucket keeps its one flat buffer, whose
-        # layout is DDP's order of summation at three ranks and more
-        split = self.pairwise = self.in_place and self.world_size == 2
-        self.large = [False] * len(self.params)
-        for bucket in self.buckets:
-            for i in bucket.indices:
-                numel = self.params[i].numel()
-                self.large[i] = split and numel >= DIRECT_MIN_NUMEL and 4 * numel >= bucket.numel
-        self.small_at: dict[int, int] = {}
-        self.small_numel = [0] * len(self.buckets)
-        for b, bucket in enumerate(self.buckets):
-            if any(self.large[i] for i in bucket.indices):
-                for i in bucket.indices:
-                    if not self.large[i]:
-                        self.small_at[i] = self.small_numel[b]
-                        self.small_numel[b] += self.params[i].numel()
-        self.split = [any(self.large[i] for i in bucket.indices) for bucket in self.buckets]
-        self.direct: dict[int, torch.Tensor] = {}  # a large parameter's summed-to-be gradient, this backward
-        self._extra_works: dict[int, list[tuple[Any, int]]] = {}  # a split bucket's collectives beyond its first
         self._unfinished: list[int] = []  # launched buckets whose buffer is still held, oldest first
-        # the most each bucket holds (its padded buffer, or its large parameters' gradients and small ones' buffer)
         self._bytes = [s.padded * b.dtype.itemsize for s, b in zip(self.shards, self.buckets, strict=True)]
         self._budget = held_at_most(self._bytes)
-        self._works: dict[int, tuple[Any, int]] = {}  # each unfinished bucket's Work and collective number
+        self._reductions: dict[int, tuple[Reduction, int]] = {}  # each unfinished bucket's and its number
         # between a synchronised backward and the next forward, a reduced parameter's .grad is a placeholder
         # whose use raises, naming par.clip_grad_norm_ (torch's own clip would otherwise read None: 0.0)
         self.guard = GradientGuard("zero2")
         # each parameter's whole-gradient norm, torch's number (par.clip_grad_norm_): from the first clip on, measured
-        # while its bucket is whole (all-reduced in place), else gathered back for it; valid while the bucket's part
-        # is unchanged since (its version counter: an unscale or a clip changes it)
+        # while its bucket's sum is whole (the reduce-scatter is an all-reduce in place), else gathered back for it;
+        # valid while the bucket's part is unchanged since (its version counter: an unscale or a clip changes it)
         self.norm_type: float | None = None
         self._norms: dict[int, torch.Tensor] = {}
         self._measured: dict[int, int] = {}  # bucket -> its part's version when its norms were measured
+
+    @property
+    def in_place(self) -> bool:
+        """Whether each bucket's whole sum is in its buffer before this rank's part is kept (gloo)."""
+        return self.ops.reduces_in_place
 
     # -- buffers that come and go -----------------------------------------------------------------------------
 
@@ -175,16 +123,6 @@ class ReduceScatter(BucketCollective):
             return
         self._make_room(b)
         bucket, shards = self.buckets[b], self.shards[b]
-        if self.split[b]:  # the small parameters' own buffer (none: the bucket is all large parameters)
-            if not self.small_numel[b]:
-                return
-            buffer = torch.empty(self.small_numel[b], dtype=bucket.dtype, device=bucket.device)
-            self.buffers[b] = buffer
-            for i, at in self.small_at.items():
-                if self.bucket_of[i] == b:
-                    p = self.params[i]
-                    self.views[i] = buffer.narrow(0, at, p.numel()).view_as(p)
-            return
         buffer = torch.empty(shards.padded, dtype=bucket.dtype, device=bucket.device)
         buffer[bucket.numel :].zero_()  # the padding; every parameter's slot is written by its copy-in
         self.buffers[b] = buffer
@@ -209,50 +147,16 @@ class ReduceScatter(BucketCollective):
         self.buffers[b] = empty
         for i in self.buckets[b].indices:
             self.views[i] = empty
-            grad = self.direct.pop(i, None)
-            if finished and grad is not None:
-                grad.untyped_storage().resize_(0)  # ours (owned, or our copy): freed now, not with the Work
         if b in self._unfinished:
             self._unfinished.remove(b)
-        self._works.pop(b, None)
-        extra = self._extra_works.pop(b, [])
-        if not finished:  # a send or receive dropped in flight must not be freed while gloo may still touch it
-            keep_forever(*(work for work, _ in extra))
+        self._reductions.pop(b, None)
 
     def copy_in(self, index: int, grad: torch.Tensor) -> None:
-        if self.large[index]:
-            self._take_direct(index, grad)
-        else:
-            self._ensure(self.bucket_of[index])
-            super().copy_in(index, grad)
+        self._ensure(self.bucket_of[index])
+        super().copy_in(index, grad)
         self.params[index].grad = None  # the bucket holds it now; only this rank's part is kept after the sum
 
-    def _take_direct(self, index: int, grad: torch.Tensor) -> None:
-        """A large parameter's gradient, divided: autograd's own tensor, in place, where nothing else refers to it or
-        its bytes (``grad``, this method's and ``copy_in``'s arguments and the reducer's local hold it); else a copy."""
-        if grad.is_sparse:
-            super().copy_in(index, grad)  # raises: DDP averages dense buckets only
-        if grad.requires_grad:
-            grad = grad.detach()
-        b = self.bucket_of[index]
-        if not any(self.direct.get(i) is not None for i in self.buckets[b].indices) and not self.buffers[b].numel():
-            self._make_room(b)  # the bucket's first gradient: as _ensure bounds buffers
-        p = self.params[index]
-        if grad.dtype == p.dtype and grad.device == p.device and owned(grad, holders=4):
-            self.direct[index] = grad.div_(self.divisor) if self.divisor > 1 else grad
-            return
-        slot = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        if grad.dtype == p.dtype:
-            torch.div(grad, self.divisor, out=slot)
-        else:
-            slot.copy_(grad).div_(self.divisor)
-        self.direct[index] = slot
-
     def zero_slot(self, index: int) -> None:
-        if self.large[index]:
-            p = self.params[index]
-            self.direct[index] = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            return
         self._ensure(self.bucket_of[index])
         super().zero_slot(index)
 
@@ -282,9 +186,7 @@ class ReduceScatter(BucketCollective):
                 continue  # the same on every rank: reduced follows the used map, summed across ranks
             whole = torch.empty(shards.padded, dtype=bucket.dtype, device=bucket.device)
             seq = self.monitor.launched()
-            with no_python_in_work():
-                work = all_gather_into(whole, self.grads[b], self.group)
-            gathers.append((b, whole, work, seq))
+            gathers.append((b, whole, self.ops.all_gather(whole, self.grads[b]), seq))
         with torch.no_grad():
             for b, whole, work, seq in gathers:
                 self.monitor.wait(work, seq, f"all-gather of the gradients kept since the last step, bucket {b}")
@@ -299,156 +201,38 @@ class ReduceScatter(BucketCollective):
 
     def start(self, b: int, seq: int) -> Any:
         self._ensure(b)
-        if self.exchanges:
-            return self._start_exchange(b, seq)
-        if self.split[b]:
-            return self._start_split(b, seq)
-        if self.in_place:
-            work = dist.all_reduce(self.buffers[b], group=self.group, async_op=True)
-        else:
-            work = reduce_scatter_into(self.grads[b], self.buffers[b], self.group)
+        reduction = self.ops.reduce_scatter(self.grads[b], self.buffers[b])
         self._unfinished.append(b)
-        self._works[b] = (work, seq)
-        return work
-
-    def _start_split(self, b: int, seq: int) -> Any:
-        """All-reduce each large parameter's gradient, then the small ones' buffer: the first collective is the
-        reducer's (``seq``), each further one numbered by the monitor, so every rank numbers them alike."""
-        tensors = [self.direct[i] for i in self.buckets[b].indices if self.large[i]]
-        if self.small_numel[b]:
-            tensors.append(self.buffers[b])
-        works = []
-        for n, tensor in enumerate(tensors):
-            number = seq if n == 0 else self.monitor.launched()
-            works.append((dist.all_reduce(tensor, group=self.group, async_op=True), number))
-        self._unfinished.append(b)
-        self._works[b] = works[0]
-        self._extra_works[b] = works[1:]
-        return works[0][0]
-
-    @property
-    def exchanges(self) -> bool:
-        """Whether this backward's buckets are reduce-scattered by exchanging halves with the peer: at two ranks on
-        gloo, until a clip asks for whole-gradient norms (which the in-place all-reduce measures as it goes)."""
-        return self.pairwise and self.norm_type is None
-
-    def _start_exchange(self, b: int, seq: int) -> Any:
-        """Reduce-scatter bucket ``b`` between two ranks: send the peer its half, receive this rank's half of the
-        peer's gradients into this rank's part (the sum is completed by adding this rank's own: a sum of two is
-        the same in either order, so the numbers are the all-reduce's). Half the bytes an all-reduce moves, and
-        no copy of the part out of the buffer. A split bucket's large parameters are exchanged tensor by tensor,
-        piece by piece; its small ones' buffer is all-reduced. Every rank issues the same operations in the same
-        order, the first numbered ``seq``, the others by the monitor; each send and receive is tagged with its
-        number, so that the peer's matching operation is the one with the same number."""
-        ops: list[tuple[torch.Tensor, int | None]] = []  # (tensor, peer to send it to; None: receive into it)
-        part = self.shards[b].part
-        if self.split[b]:
-            bucket = self.buckets[b]
-            for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
-                if not self.large[i]:
-                    continue
-                flat = self.direct[i].view(-1)
-                for r in range(2):
-                    lo, hi = max(offset, r * part), min(offset + flat.numel(), (r + 1) * part)
-                    if lo < hi:
-                        if r == self.rank:
-                            ops.append((self.grads[b].narrow(0, lo - r * part, hi - lo), None))
-                        else:
-                            ops.append((flat.narrow(0, lo - offset, hi - lo), r))
-        else:
-            for r in range(2):
-                if r == self.rank:
-                    ops.append((self.grads[b], None))
-                else:
-                    ops.append((self.buffers[b].narrow(0, r * part, part), r))
-        works = []
-        peer = dist.get_global_rank(self.group, 1 - self.rank) if self.group is not None else 1 - self.rank
-        for n, (tensor, to) in enumerate(ops):
-            number = seq if n == 0 else self.monitor.launched()
-            if to is None:
-                work = dist.irecv(tensor, src=peer, group=self.group, tag=TAG_BASE + number)
-            else:
-                work = dist.isend(tensor, dst=peer, group=self.group, tag=TAG_BASE + number)
-            works.append((work, number))
-        if self.split[b] and self.small_numel[b]:
-            number = seq if not works else self.monitor.launched()
-            works.append((dist.all_reduce(self.buffers[b], group=self.group, async_op=True), number))
-        # gloo's send and receive Works must be waited for once (a second wait never returns), and the reducer waits
-        # for the handle it is given: it gets one already complete, and every operation is waited for once, by
-        # _finish (the handle's number is the first operation's)
-        handle: Any = torch.futures.Future()
-        handle.set_result(None)
-        self._unfinished.append(b)
-        self._works[b] = (handle, seq)
-        self._extra_works[b] = works
-        return handle
+        self._reductions[b] = (reduction, seq)
+        return reduction.work
 
     def _settle(self, b: int) -> None:
         """Wait for bucket ``b``'s reduce-scatter and give its buffer back."""
-        work, seq = self._works[b]
-        self.monitor.wait(work, seq, f"gradient reduce-scatter of bucket {b}")
+        reduction, seq = self._reductions[b]
+        self.monitor.wait(reduction.work, seq, f"gradient reduce-scatter of bucket {b}")
         self._finish(b)
 
     def done(self, b: int, result: Any) -> None:
-        if b in self._works:
+        if b in self._reductions:
             self._finish(b)  # waited for by the reducer: the buffer is free
 
     def _finish(self, b: int) -> None:
-        """Bucket ``b``'s collective is done: this rank's part kept (from the all-reduced buffer), the buffer freed."""
-        for work, seq in self._extra_works.get(b, []):
-            self.monitor.wait(work, seq, f"gradient reduce-scatter of bucket {b}")
-        if self.exchanges:
-            self._add_own_half(b)
-        elif self.in_place:
-            if self.split[b]:
-                self._keep_part_split(b)
-            else:
-                part = self.shards[b].part
-                self.grads[b].copy_(self.buffers[b].narrow(0, self.rank * part, part))
-            if self.norm_type is not None:
-                self._measure(b, self.norm_type)
+        """Bucket ``b``'s collective is done: this rank's part kept, its norms measured from a whole sum, the buffer
+        freed."""
+        reduction, _ = self._reductions[b]
+        reduction.finish()
+        if self.norm_type is not None and reduction.whole is not None:
+            self._measure(b, self.norm_type, reduction.whole)
         self._release(b, finished=True)
-
-    def _summed(self, b: int, i: int) -> torch.Tensor:
-        """Parameter ``i``'s all-reduced gradient (bucket ``b``), flat: its own tensor, or its slot in a buffer."""
-        if self.large[i]:
-            return self.direct[i].view(-1)
-        if self.split[b]:
-            return self.buffers[b].narrow(0, self.small_at[i], self.params[i].numel())
-        offset = self.buckets[b].offsets[self.buckets[b].indices.index(i)]
-        return self.buffers[b].narrow(0, offset, self.params[i].numel())
-
-    def _add_own_half(self, b: int) -> None:
-        """Complete an exchanged bucket's sum in this rank's part: the peer's half received there, plus this rank's
-        own (a split bucket's small parameters: from their all-reduced buffer)."""
-        part = self.grads[b]
-        if not self.split[b]:
-            part.add_(self.buffers[b].narrow(0, self.rank * self.shards[b].part, self.shards[b].part))
-            return
-        for piece in self.shards[b].pieces[self.rank]:
-            target = part.narrow(0, piece.offset, piece.length)
-            if self.large[piece.param]:
-                target.add_(self.direct[piece.param].view(-1).narrow(0, piece.start, piece.length))
-            else:
-                target.copy_(self._summed(b, piece.param).narrow(0, piece.start, piece.length))
-
-    def _keep_part_split(self, b: int) -> None:
-        """This rank's part of a split bucket, piece by piece from the parameters' sums (its padding stays 0)."""
-        part = self.grads[b]
-        for piece in self.shards[b].pieces[self.rank]:
-            summed = self._summed(b, piece.param).narrow(0, piece.start, piece.length)
-            part.narrow(0, piece.offset, piece.length).copy_(summed)
 
     # -- each parameter's whole-gradient norm ---------------------------------------------------------------------
 
-    def _measure(self, b: int, norm_type: float, whole: torch.Tensor | None = None) -> None:
-        """The norms of bucket ``b``'s parameters, from their sums: ``whole`` (the bucket gathered back, every rank's
-        part), or what its collective summed."""
+    def _measure(self, b: int, norm_type: float, whole: torch.Tensor) -> None:
+        """The norms of bucket ``b``'s parameters, from ``whole``: the bucket's sum, every rank's part."""
         bucket = self.buckets[b]
         for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
             p = self.params[i]
-            summed = self._summed(b, i) if whole is None else whole.narrow(0, offset, p.numel())
-            self._norms[i] = tensor_norm(summed.view_as(p), norm_type)
+            self._norms[i] = tensor_norm(whole.narrow(0, offset, p.numel()).view_as(p), norm_type)
         self._measured[b] = self.grads[b]._version
 
     def _forget_norms(self) -> None:
@@ -469,7 +253,7 @@ class ReduceScatter(BucketCollective):
         if self.in_place:  # every rank measures, or every rank gathers
             flag = torch.tensor([int(fresh)], dtype=torch.int32)
             seq = self.monitor.launched()
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            work = self.ops.all_reduce(flag, op=dist.ReduceOp.MIN)
             self.monitor.wait(work, seq, "all-reduce of whether the gradient norms were measured")
             fresh = bool(flag.item())
         if not fresh:
@@ -478,8 +262,7 @@ class ReduceScatter(BucketCollective):
                 bucket = self.buckets[b]
                 whole = torch.empty(self.shards[b].padded, dtype=bucket.dtype, device=bucket.device)
                 seq = self.monitor.launched()
-                with no_python_in_work():
-                    work = all_gather_into(whole, self.grads[b], self.group)
+                work = self.ops.all_gather(whole, self.grads[b])
                 self.monitor.wait(work, seq, f"all-gather of bucket {b}'s gradients for their norm")
                 self._measure(b, norm_type, whole)
                 del whole

@@ -1,73 +1,59 @@
 """zero3's gradient reduces in flight: each unit's gradients summed across ranks into this rank's part.
 
-    reduces = UnitReduces(group, monitor)
+    reduces = UnitReduces(ops, monitor)
     reduces.launch(unit)          # the unit's gradients are whole: sum them (at most MAX_REDUCING in flight)
     reduces.settle_all()          # end of backward: every part summed and kept by its unit
 
-On gloo the sum is an all-reduce in place (gloo's reduce-scatter is an all-reduce of a clone of the whole input,
-which its Work holds: the same sums without the clone, as zero2's buckets on gloo), this rank's part kept; a unit
-whose gradients were taken parameter by parameter (``unit.split``) all-reduces each large one and its small ones'
-buffer. Elsewhere (NCCL) it is a reduce-scatter into a part of its own.
+The sum is :class:`~paratrain.comm.ops.GroupOps`'s reduce-scatter of the unit's whole gradient into a part of
+its own (on gloo an all-reduce of the whole gradient in place, this rank's part copied out when it is done).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from paratrain.comm.collectives import CollectiveMonitor
-from paratrain.comm.process_groups import no_python_in_work
+from paratrain.comm.ops import GroupOps, Reduction
 from paratrain.sharded.flat_unit import ShardedUnit
-from paratrain.sharded.reducer import reduce_scatter_into
 
 __all__ = ["MAX_REDUCING", "UnitReduces"]
 
 # units whose reduce-scatter may run at once; each holds the unit's whole gradient meanwhile. One: two made zero3's
-# peak during backward the highest of the strategies (each unit a sixth of the 53.6M MLP; issue 26). On gloo a
-# unit's reduce is also settled before the next unit's backward computes its gradients (settle_all at its start)
+# peak during backward the highest of the strategies (each unit a sixth of the 53.6M MLP; issue 26). Where the
+# reduce is in place (gloo) a unit's is also settled before the next unit's backward computes its gradients
 MAX_REDUCING = 1
 
 
 @dataclass
 class _Reducing:
     unit: ShardedUnit
-    works: list[tuple[Any, int]]  # (Work, collective number): one, or one per tensor of a split backward
-    out: torch.Tensor | None  # None: all-reduced in place (gloo): the unit's whole gradient, or a split backward's
+    reduction: Reduction
+    seq: int
 
 
 class UnitReduces:
-    """The units whose gradients are being summed, oldest first, and how their sums are started and kept."""
+    """The units whose gradients are being summed, oldest first."""
 
-    def __init__(self, group: Any, monitor: CollectiveMonitor) -> None:
-        self.group = group
+    def __init__(self, ops: GroupOps, monitor: CollectiveMonitor) -> None:
+        self.ops = ops
         self.monitor = monitor
-        self.in_place = dist.get_backend(group) == "gloo"
         self._reducing: list[_Reducing] = []
+
+    @property
+    def in_place(self) -> bool:
+        """Whether a reduce holds the unit's whole gradient until it is settled (gloo's all-reduce in place)."""
+        return self.ops.reduces_in_place
 
     def launch(self, unit: ShardedUnit) -> None:
         """Start summing ``unit``'s gradients (ready to reduce), after the oldest in flight if there is no room."""
         while len(self._reducing) >= MAX_REDUCING:
             self._settle(self._reducing[0])
-        works: list[tuple[Any, int]] = []
-        out: torch.Tensor | None = None
-        with no_python_in_work():
-            if unit.split:
-                for tensor in unit.to_reduce():
-                    seq = self.monitor.launched()
-                    works.append((dist.all_reduce(tensor, group=self.group, async_op=True), seq))
-            elif self.in_place:
-                assert unit.grad_full is not None
-                seq = self.monitor.launched()
-                works.append((dist.all_reduce(unit.grad_full, group=self.group, async_op=True), seq))
-            else:
-                assert unit.grad_full is not None
-                out = torch.empty(unit.part, dtype=unit.dtype, device=unit.device)
-                seq = self.monitor.launched()
-                works.append((reduce_scatter_into(out, unit.grad_full, self.group), seq))
-        self._reducing.append(_Reducing(unit, works, out))
+        assert unit.grad_full is not None, "ready_to_reduce() comes first"
+        out = torch.empty(unit.part, dtype=unit.dtype, device=unit.device)
+        seq = self.monitor.launched()
+        self._reducing.append(_Reducing(unit, self.ops.reduce_scatter(out, unit.grad_full), seq))
 
     def settle_all(self) -> None:
         """Wait for every reduce in flight; each unit keeps its part of the sum."""
@@ -76,13 +62,7 @@ class UnitReduces:
 
     def _settle(self, reducing: _Reducing) -> None:
         unit = reducing.unit
-        for work, seq in reducing.works:
-            self.monitor.wait(work, seq, f"gradient reduce-scatter of unit {unit.label}")
+        self.monitor.wait(reducing.reduction.work, reducing.seq, f"gradient reduce-scatter of unit {unit.label}")
         self._reducing.remove(reducing)
-        if unit.split:  # each large parameter's gradient and the small ones' buffer all-reduced in place
-            unit.add_split()
-            return
-        if reducing.out is None:  # all-reduced in place: this rank's part of the sum, the whole buffer freed
-            assert unit.grad_full is not None
-            reducing.out = unit.grad_full.narrow(0, unit.rank * unit.part, unit.part).clone()
-        unit.add_reduced(reducing.out)
+        reducing.reduction.finish()
+        unit.add_reduced(reducing.reduction.part)

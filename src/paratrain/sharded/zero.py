@@ -28,21 +28,19 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
-from paratrain.comm.process_groups import no_python_in_work
+from paratrain.comm.ops import GroupOps
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
-from paratrain.sharded.in_flight import Gather, WeightsInFlight, chunks
+from paratrain.sharded.in_flight import Gather, WeightsInFlight, settle_outside_graph
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
-from paratrain.sharded.pair_gather import PairGather
 from paratrain.sharded.partition import BucketShards, shard_bucket
-from paratrain.sharded.reducer import ReduceScatter, all_gather_into
+from paratrain.sharded.reducer import ReduceScatter
 
 __all__ = ["STAGES", "ZeroDataParallel"]
 
@@ -106,11 +104,11 @@ class ZeroDataParallel(DistributedDataParallel):
         self._start_in_bucket = {
             i: offset for bucket in reducer.buckets for i, offset in zip(bucket.indices, bucket.offsets, strict=True)
         }
+        self.ops = GroupOps(self.process_group)
         self._gathers: list[Gather] = []  # launched by this step
-        # two ranks on gloo: each all-gather of the weights is a send and a receive (launch_gather)
-        self._pair = PairGather.between(self.process_group, self.world_size, self.flat, f"paratrain-zero{stage}")
-        # the step's all-gathers, until they are needed
-        self.in_flight = WeightsInFlight(self.flat, [s.part for s in self.shards], self.monitor)
+        # the step's all-gathers, until the forward's hooks (or another wait point) need them
+        bucket_of = {id(reducer.params[i]): b for b, bucket in enumerate(reducer.buckets) for i in bucket.indices}
+        self.in_flight = WeightsInFlight(self.module, bucket_of, self.monitor)
         self._synchronised: list[Callable[[], None]] = []
         reducer.on_synchronised = self._after_sync
 
@@ -161,34 +159,16 @@ class ZeroDataParallel(DistributedDataParallel):
             return None
         return self.reducer.collective.buffers[b].narrow(0, at, piece.length)
 
-    @property
-    def exchanges(self) -> bool:
-        """Whether the weights' all-gathers are sends and receives (two ranks on gloo)."""
-        return self._pair is not None
-
     def launch_gather(self, bucket: int) -> None:
-        """Start the all-gathers that give every rank bucket ``bucket``'s updated weights from their owners: range by
-        range of the parts, the range holding the first layers first (:func:`paratrain.sharded.in_flight.chunks`).
-        At two ranks on gloo each range is a send of this rank's part and a receive of the peer's straight into its
-        place (:mod:`paratrain.sharded.pair_gather`), whose future the weights in flight poll and wait for."""
-        shards, buffer, pair = self.shards[bucket], self.flat[bucket], self._pair
-        world, part = self.world_size, shards.part
-        for lo, hi in chunks(part):
-            outputs = [buffer.narrow(0, r * part + lo, hi - lo) for r in range(world)]
-            seq = self.monitor.launched()
-            if pair is not None:
-                work = pair.exchange(outputs[self.rank], outputs[1 - self.rank], seq)
-            else:
-                with no_python_in_work():
-                    if hi - lo == part:
-                        work = all_gather_into(buffer, outputs[self.rank], self.process_group)
-                    else:
-                        work = dist.all_gather(outputs, outputs[self.rank], group=self.process_group, async_op=True)
-            self._gathers.append(Gather(bucket, lo, hi, work, seq))
+        """Start the all-gather that gives every rank bucket ``bucket``'s updated weights from their owners."""
+        shards, buffer = self.shards[bucket], self.flat[bucket]
+        seq = self.monitor.launched()
+        work = self.ops.all_gather(buffer, buffer.narrow(0, self.rank * shards.part, shards.part))
+        self._gathers.append(Gather(bucket, work, seq))
 
     def gathers_launched(self) -> None:
-        """The step launched every bucket's all-gather: they stay in flight until the weights are read, every read
-        waiting for its bucket first (:mod:`paratrain.sharded.in_flight`); the next forward needs them last."""
+        """The step launched every bucket's all-gather: they stay in flight until the forward's hooks reach their
+        buckets (:mod:`paratrain.sharded.in_flight`); on NCCL the stream waits for them at once."""
         gathers, self._gathers = self._gathers, []
         self.in_flight.hold(gathers)
 
@@ -196,15 +176,22 @@ class ZeroDataParallel(DistributedDataParallel):
         """Wait for every all-gather in flight: from here on every rank holds the whole model."""
         self.in_flight.settle()
 
+    def wait_weights(self) -> None:
+        """Wait for the last step's all-gathers of the weights: call it before reading the parameters between
+        ``step()`` and the next forward (an EMA, a histogram). ``state_dict`` and ``Parallel.save`` wait for them."""
+        self.in_flight.settle()
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """DDP's forward; the weights' all-gathers still in flight are waited for as each bucket is reached, and
-        all of them by the time it returns (backward never runs with any in flight)."""
+        """DDP's forward; each module waits for its buckets' all-gathers still in flight as it starts, and all of
+        them are waited for by the time it returns (backward never runs with any in flight)."""
+        if self.in_flight.pending and (torch.compiler.is_compiling() or _compiled(self.module)):
+            settle_outside_graph(self.in_flight)  # a compiled module: its graph holds no wait (one break here)
         try:
             outputs = super().forward(*inputs, **kwargs)
         except BaseException:
             if self.monitor.failure is None:
                 self.in_flight.settle()
-            else:  # an all-gather failed inside an operation, where the mode could not leave: it leaves here
+            else:  # an all-gather failed: nothing more is waited for
                 self.in_flight.drop()
             raise
         self.in_flight.settle()
@@ -276,7 +263,7 @@ class ZeroDataParallel(DistributedDataParallel):
                     part.narrow(0, at, piece.length).copy_(g)
             whole = torch.empty(shards.padded, dtype=bucket.dtype, device=bucket.device)
             seq = self.monitor.launched()
-            self.monitor.wait(all_gather_into(whole, part, self.process_group), seq, f"gradients of bucket {b}")
+            self.monitor.wait(self.ops.all_gather(whole, part), seq, f"gradients of bucket {b}")
             for i, offset in zip(bucket.indices, bucket.offsets, strict=True):
                 p = self.reducer.params[i]
                 if self._has_grad(i):
@@ -314,8 +301,7 @@ class ZeroDataParallel(DistributedDataParallel):
                 self.in_flight.settle()
         finally:
             self.in_flight.drop()
-            if self._pair is not None:
-                self._pair.close()
+            self.in_flight.close()
             super().close()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -326,3 +312,8 @@ class ZeroDataParallel(DistributedDataParallel):
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}, {super().extra_repr()}"
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper of a module (its forward runs as compiled graphs)."""
+    return type(module).__name__ == "OptimizedModule"

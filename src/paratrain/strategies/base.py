@@ -94,6 +94,13 @@ class Strategy(ABC):
         """
         return self._wrapped.get(model, model)
 
+    def wait_weights(self) -> None:
+        """Wait for every prepared model's weights still being gathered after a step (zero1, zero2)."""
+        for wrapper in self._wrapped:
+            wait = getattr(wrapper, "wait_weights", None)
+            if wait is not None:
+                wait()
+
     def prepared(self, model: nn.Module) -> bool:
         """True for a model :meth:`wrap_model` returned (or the user's model inside it)."""
         return model in self._wrapped or any(model is inner for inner in self._wrapped.values())
