@@ -52,10 +52,8 @@ class GroupOps:
     def __init__(self, group: Any) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.backend = str(dist.get_backend(self.group))
         # gloo's reduce-scatter keeps a clone of the whole input alive in its Work: an all-reduce in place instead
-        self.reduces_in_place = self.backend == "gloo"
+        self.reduces_in_place = dist.get_backend(self.group) == "gloo"
 
     def all_gather(self, buffer: torch.Tensor, part: torch.Tensor) -> Any:
         """Start gathering every rank's ``part`` into ``buffer`` (rank ``r``'s at ``r * part.numel()``): the Work."""
@@ -66,7 +64,7 @@ class GroupOps:
         """Start summing every rank's ``whole`` (``world_size`` equal parts), this rank's part of the sum into
         ``part`` once :meth:`Reduction.finish` runs. On gloo ``whole`` is summed in place."""
         with no_python_in_work():
-            if self.reduces_in_place or whole.device.type == "cpu":
+            if self.reduces_in_place:
                 work = dist.all_reduce(whole, group=self.group, async_op=True)
                 return Reduction(work, part, whole, self.rank)
             work = dist.reduce_scatter_tensor(part, whole, group=self.group, async_op=True)

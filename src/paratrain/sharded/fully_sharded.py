@@ -438,7 +438,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def gathers_launched(self) -> None:
         """Nothing in flight (see :meth:`launch_gather`)."""
 
-    def weights_needed(self) -> None:
+    def wait_weights(self) -> None:
         """Nothing in flight: the shards are the weights."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]

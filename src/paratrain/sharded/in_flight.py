@@ -60,7 +60,8 @@ class WeightsInFlight:
         self.hook_waits = 0  # all-gathers a module's forward waited for before it ran
         self._handles: list[RemovableHandle] = []
         ref = weakref.ref(self)
-        for sub in module.modules():
+        # where the step's end waits (NCCL) nothing is ever in flight at a forward: no hooks on the forward's path
+        for sub in module.modules() if self._defer else ():
             buckets = sorted({bucket_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in bucket_of})
             if buckets:
                 hook = functools.partial(_before_forward, ref, tuple(buckets))

@@ -105,7 +105,7 @@ class ShardSource(Protocol):
 
     def gathers_launched(self) -> None: ...
 
-    def weights_needed(self) -> None: ...
+    def wait_weights(self) -> None: ...
 
     def zero_grad(self, set_to_none: bool) -> None: ...
 
@@ -374,7 +374,7 @@ class _Shard:
             value.grad = self.source.piece_grad(piece)
 
     def step(self, optimizer: ShardedOptimizer, kwargs: dict[str, Any]) -> None:
-        self.source.weights_needed()  # the last step's all-gathers, when no forward waited for them
+        self.source.wait_weights()  # the last step's all-gathers, when no forward waited for them
         self.assign_grads()
         update = _unhooked(self.base.step)
         groups = optimizer.param_groups

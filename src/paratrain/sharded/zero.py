@@ -172,10 +172,6 @@ class ZeroDataParallel(DistributedDataParallel):
         gathers, self._gathers = self._gathers, []
         self.in_flight.hold(gathers)
 
-    def weights_needed(self) -> None:
-        """Wait for every all-gather in flight: from here on every rank holds the whole model."""
-        self.in_flight.settle()
-
     def wait_weights(self) -> None:
         """Wait for the last step's all-gathers of the weights: call it before reading the parameters between
         ``step()`` and the next forward (an EMA, a histogram). ``state_dict`` and ``Parallel.save`` wait for them."""
