@@ -6,8 +6,8 @@
 
 In two gloo processes, the modes take turns block by block (5 steps a block, the first block of each mode
 untimed); each step is timed in four phases: zero_grad, forward (with the loss), backward, optimizer step. The
-forward's "waiting" column is the time its all-gathers of updated weights were waited for (zero1 and zero2 leave
-them in flight when the step returns: ``paratrain.sharded.in_flight``). Medians over the timed steps, rank 0.
+forward's "waiting" column is the time its collectives were waited for (zero1's and zero2's step waits for its
+all-gathers of the updated weights, so a forward waits for none). Medians over the timed steps, rank 0.
 
 Beside it, in both ranks: all-gathering a buffer of the model's size (the weights' all-gather of one step).
 """
@@ -65,7 +65,7 @@ def _gathers(args: argparse.Namespace, rank: int) -> dict[str, float]:
     numel = sum(p.numel() for p in build_model(args.model, args.width, args.depth).parameters()) // 2 * 2
     buffer, part = torch.zeros(numel), numel // 2
     own = buffer.narrow(0, rank * part, part)
-    ops = GroupOps(None)
+    ops = GroupOps(None, buffer.device)
     spent: list[float] = []
     for i in range(args.gather_repeats + 3):
         dist.barrier()

@@ -211,6 +211,69 @@ def weight_ema(par: paratrain.Parallel) -> torch.Tensor:
     return torch.cat([e.reshape(-1) for e in ema])
 
 
+def parameter_ema(par: paratrain.Parallel) -> torch.Tensor:
+    """The most common read between steps: an EMA over ``model.parameters()``, no forward in between."""
+    ema: list[torch.Tensor] = []
+
+    def update(par: paratrain.Parallel, model: nn.Module, step: int) -> None:
+        with torch.no_grad():
+            if not ema:
+                ema.extend(p.detach().clone() for p in par.unwrap(model).parameters())
+            else:
+                for e, p in zip(ema, par.unwrap(model).parameters(), strict=True):
+                    e.lerp_(p, 0.1)
+
+    _loop(par, after_step=update)
+    return torch.cat([e.reshape(-1) for e in ema])
+
+
+def full_weights_ema(par: paratrain.Parallel) -> torch.Tensor:
+    """The same EMA inside ``par.full_weights(model)``: one script for every strategy."""
+    ema: list[torch.Tensor] = []
+
+    def update(par: paratrain.Parallel, model: nn.Module, step: int) -> None:
+        with torch.no_grad(), par.full_weights(model) as module:
+            if not ema:
+                ema.extend(p.detach().clone() for p in module.parameters())
+            else:
+                for e, p in zip(ema, module.parameters(), strict=True):
+                    e.lerp_(p, 0.1)
+
+    _loop(par, after_step=update)
+    return torch.cat([e.reshape(-1) for e in ema])
+
+
+def rollback_between_steps(par: paratrain.Parallel) -> torch.Tensor:
+    """``load_state_dict`` of weights kept earlier, between a step and the next forward (a rollback)."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def roll(par: paratrain.Parallel, model: nn.Module, step: int) -> None:
+        if step == 0:
+            kept.update({k: v.detach().clone() for k, v in par.unwrap(model).state_dict().items()})
+        if step == 1:
+            par.unwrap(model).load_state_dict(kept)
+
+    return _loop(par, after_step=roll)
+
+
+def state_dict_on_main_only(par: paratrain.Parallel) -> torch.Tensor:
+    refused: list[paratrain.ConfigError] = []
+
+    def take(par: paratrain.Parallel, model: nn.Module, step: int) -> None:
+        # after the first step: the peer's next forward is the collective it goes on to (after the last one, rank
+        # 0's call would pair with the peer's own state_dict() that ends the script, the same gathering)
+        if par.is_main and step == 0:
+            try:
+                model.state_dict()  # zero3: a gathering; refused on rank 0, which trains on as the others do
+            except paratrain.ConfigError as exc:
+                refused.append(exc)
+
+    weights = _loop(par, after_step=take)
+    if refused:
+        raise refused[0]
+    return weights
+
+
 def state_dict_round_trip(par: paratrain.Parallel) -> torch.Tensor:
     net = mlp()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -320,6 +383,10 @@ HABITS: dict[str, Callable[..., torch.Tensor]] = {
     "`optimizer.zero_grad(set_to_none=False)`": zero_grad_keeping_tensors,
     "two `par.backward` calls before one step": two_backwards_per_step,
     "EMA of the weights after each step": weight_ema,
+    "EMA over `model.parameters()` after each step": parameter_ema,
+    "the same EMA inside `with par.full_weights(model)`": full_weights_ema,
+    "`load_state_dict` of earlier weights between a step and the next forward": rollback_between_steps,
+    "`if par.is_main: model.state_dict()`": state_dict_on_main_only,
     "`par.unwrap(model).state_dict()` loaded into a plain model": state_dict_round_trip,
     "the prepared model's `state_dict()` loaded into a plain model": prepared_state_dict_into_plain,
     "`load_state_dict` of a plain checkpoint after `prepare`": load_plain_checkpoint_first,
@@ -339,6 +406,8 @@ _EVERY_RANK = "every rank must call it at the same point"
 
 
 _ONE_RANK_FORWARD = "a forward under torch.no_grad() that not every rank runs"
+_RESTING_WEIGHTS = "par.full_weights(model)"
+_ONE_RANK_GATHER = "model.state_dict() that not every rank calls"
 
 
 def _cells(zero2: str = SAME, zero1: str = SAME, zero3: str | None = None, everywhere: str = SAME) -> dict[str, str]:
@@ -359,6 +428,10 @@ for _name, _fn in HABITS.items():
         EXPECTED[_name] = _cells(zero1=_EVERY_RANK, zero2=_EVERY_RANK)
     elif _fn is eval_on_main_only:
         EXPECTED[_name] = _cells(zero3=_ONE_RANK_FORWARD)
+    elif _fn is parameter_ema:
+        EXPECTED[_name] = _cells(zero3=_RESTING_WEIGHTS)
+    elif _fn is state_dict_on_main_only:
+        EXPECTED[_name] = _cells(zero3=_ONE_RANK_GATHER)
     elif _fn is prepare_twice:
         EXPECTED[_name] = _cells(everywhere=_PREPARE_TWICE)
     elif _fn is plain_loss_backward:
@@ -369,6 +442,8 @@ WHY = {  # the fix each refusal names, for the docs' table
     _EVERY_RANK: "refused at once: every rank writes its slices; call `par.save` on every rank",
     _ONE_RANK_FORWARD: "refused at once on rank 0: every rank runs every forward; evaluate on every rank",
     _PREPARE_TWICE: "refused: pass each object to `prepare` once",
+    _RESTING_WEIGHTS: "refused: no rank holds whole weights between steps; read them inside `par.full_weights(model)`",
+    _ONE_RANK_GATHER: "refused at once on rank 0: it gathers from every rank; call it on every rank, rank 0 writes",
     _PLAIN_BACKWARD: "refused at the next step: use `par.backward(loss)`",
 }
 

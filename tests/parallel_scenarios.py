@@ -229,8 +229,6 @@ def _train_spare_head(par: paratrain.Parallel | None) -> tuple[torch.nn.Module, 
         loss = F.cross_entropy(model(x), y)
         par.backward(loss) if par is not None else loss.backward()
         optimizer.step()
-    if par is not None:
-        par.wait_weights()  # zero1/zero2: the last step's all-gathers, before the user's module is read directly
     return net, model
 
 

@@ -81,7 +81,11 @@ def test_ddp_and_the_zero_stages_in_one_launch(one_process, launched, name):
     reference = torch.tensor(single["weights"]) if "weights" in single else None
     for rank, found in enumerate(launched):
         cells = found[name]
-        main_only = habits.HABITS[name] in (habits.save_on_main_only, habits.eval_on_main_only)
+        main_only = habits.HABITS[name] in (
+            habits.save_on_main_only,
+            habits.eval_on_main_only,
+            habits.state_dict_on_main_only,
+        )
         _check(cells["ddp"], expected["ddp"], f"rank {rank} ddp", reference, exact=False)
         ddp = torch.tensor(cells["ddp"]["weights"]) if "weights" in cells["ddp"] else None
         for strategy in ("zero1", "zero2", "zero3"):

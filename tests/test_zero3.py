@@ -83,7 +83,7 @@ def test_a_rank_holds_its_shards_and_parts_of_the_gradients(two):
         assert r["grad_parts"] == r["parts"]  # the reduced gradient: this rank's part of each unit
         assert r["whole_grads_gone"]  # each .grad a placeholder without storage: its use raises
         assert r["model_numel"] / 2 <= r["shard_numel"] < r["model_numel"] / 2 + 3 * 4
-        assert r["params_keep_shape"] and r["params_read_nan"]  # between uses: the shapes, no values
+        assert r["params_keep_shape"] and r["params_refuse_reads"]  # between uses: the shapes; a read is refused
         # two moments of this rank's half of the elements (its parts less the padding that ends some of them)
         assert abs(r["optimizer_state"] - r["model_numel"]) <= 2 * 3 * 4
         assert r["gradients_whole"]  # par.gradients gathers them

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.fully_sharded import FullyShardedDataParallel
+from paratrain.sharded.guard import ShardedWeightError
 from paratrain.sharded.optimizer import shard_optimizer
 from paratrain.sharded.units import plan_units
 from zero3_scenarios import Block, TinyGPT, build
@@ -102,7 +103,10 @@ def test_one_rank_trains_as_the_plain_model_and_its_state_dict_round_trips(group
     plain, _ = _train(build("bn"), wrap=False)
     sharded, net = _train(build("bn"), wrap=True)
     assert sharded.keys() == plain.keys() and all(torch.equal(sharded[k], plain[k]) for k in plain)
-    assert all(p.isnan().all() for p in net.module.parameters())  # between uses: no values held
+    for p in net.module.parameters():  # between uses: no values held, and a read says what to do instead
+        with pytest.raises(ShardedWeightError, match=r"par\.full_weights\(model\)"):
+            p.detach().clone()
+        assert tuple(p.shape) == tuple(plain[next(k for k, q in net.module.named_parameters() if q is p)].shape)
     net.module.load_state_dict({k: torch.zeros_like(v) for k, v in plain.items()})
     assert all(not v.any() for v in net.module.state_dict().values())
     net.close()

@@ -333,7 +333,14 @@ def memory_and_layout(rank: int, world: int) -> dict[str, Any]:
         found["params_keep_shape"] = [tuple(p.shape) for p in par.unwrap(net).parameters()] == [
             tuple(p.shape) for p in build("mlp").parameters()
         ]
-        found["params_read_nan"] = all(bool(p.isnan().all()) for p in par.unwrap(net).parameters())
+        refused = []
+        for p in par.unwrap(net).parameters():  # between uses: any read of a value is refused, naming the fix
+            try:
+                p.detach().clone()
+                refused.append("read")
+            except paratrain.ConfigError as exc:
+                refused.append("par.full_weights(model)" in str(exc))
+        found["params_refuse_reads"] = all(r is True for r in refused)
         held = sum(v.numel() for s in opt.state.values() for k, v in s.items() if k != "step")
         found["optimizer_state"] = held
         first = dict(net.prefetched)  # the first forward learns the order: only its backward prefetches

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import functools
 import gc
 import os
 import time
@@ -427,8 +426,8 @@ def tied_checkpoint(rank: int, world: int, directory: str) -> dict[str, Any]:
 
 
 def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any] | str:
-    """The last rank never steps: the others' step returns with its all-gathers in flight, and their next forward
-    waits in the first one, named, within the timeout."""
+    """The last rank never steps: the others' step waits for its all-gathers, and fails in the first one, named,
+    within the timeout."""
     with paratrain.Parallel("zero2", "cpu", timeout=2) as par:
         net = model()
         net, opt = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -443,25 +442,20 @@ def a_rank_that_skips_the_step_is_named(rank: int, world: int) -> dict[str, Any]
             net(x[:4])
         except CollectiveError as exc:
             seconds = time.monotonic() - started
-            # the first bucket's all-gather failed: the second's is dropped, so reading every weight now (the
-            # user's error handling, a last log line) neither waits for it to the timeout nor raises again
-            in_flight = net.in_flight
-            left, waits = in_flight.pending, in_flight.hook_waits
+            # the first bucket's all-gather failed: reading every weight now (the user's error handling, a last log
+            # line) neither waits for the rest to the timeout nor raises again
             read = "read"
             try:
                 [p.detach().clone() for p in net.parameters()]
             except CollectiveError as again:
                 read = f"raised again: {again}"
-            modes = torch._C._len_torch_dispatch_stack()  # nothing of ours on the dispatch stack
-            return {"message": str(exc), "seconds": seconds, "left": left, "read": read,
-                    "hook_waits": in_flight.hook_waits - waits, "modes": modes}  # fmt: skip
+            return {"message": str(exc), "seconds": seconds, "left": bool(net._gathers), "read": read}
         return "no error"
 
 
 def a_peer_that_dies_with_the_weights_in_flight(rank: int, world: int) -> dict[str, Any] | str:
-    """Rank 1 ends after its backward, before its step: rank 0's step or its next forward fails on the all-gather
-    of the weights, named, at once rather than at the timeout; nothing is left in flight and no mode on the
-    stack."""
+    """Rank 1 ends after its backward, before its step: rank 0's step fails on the all-gather of the weights,
+    named, at once rather than at the timeout; nothing is left in flight."""
     with paratrain.Parallel("zero1", "cpu", timeout=60) as par:
         net = model()
         net, opt = par.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -474,8 +468,7 @@ def a_peer_that_dies_with_the_weights_in_flight(rank: int, world: int) -> dict[s
             opt.step()
             net(x[:4])
         except CollectiveError as exc:
-            return {"message": str(exc), "seconds": time.monotonic() - started,
-                    "left": net.in_flight.pending, "modes": torch._C._len_torch_dispatch_stack()}  # fmt: skip
+            return {"message": str(exc), "seconds": time.monotonic() - started, "left": bool(net._gathers)}
         return "no error"
 
 
@@ -612,73 +605,33 @@ def first_bucket_overlaps(rank: int, world: int) -> dict[str, int]:
     return found
 
 
-def _signal(path: Path) -> None:
-    path.touch()
-
-
-def _signal_first(rank: int, path: Path, *_: Any) -> None:
-    if rank == 0:
-        _signal(path)
-
-
-def _await(path: Path) -> None:
-    """Wait until the peer has reached the point that ``path`` marks (a condition, with a generous deadline)."""
-    deadline = time.monotonic() + 120
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
-
-
-def weights_in_flight(rank: int, world: int, directory: str) -> dict[str, Any]:
-    """The step returns with its all-gathers in flight, although the peer steps only after rank 0 returned from
-    its step; ``wait_weights()`` (stage 1) or a state dict of the user's module (stage 2) right after it waits and
-    sees the updated weights whole; rank 0's next forward waits in its first layer's hook for the peer, who steps
-    only once that forward has begun; nothing is in flight after a forward."""
+def weights_after_step(rank: int, world: int) -> dict[str, Any]:
+    """The peer steps late (it sleeps before every step): rank 0's reads right after its ``step()`` returned, of
+    the parameters themselves (an EMA's read, no forward in between) and of a submodule's state dict, see the
+    updated weights whole."""
     found: dict[str, Any] = {}
-    marks = Path(directory) / "in-flight"
-    marks.mkdir(parents=True, exist_ok=True)
     for stage in (1, 2):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 600))
-        model = ZeroDataParallel(net, stage)
+        model = ZeroDataParallel(net, stage, bucket_cap_mb=0.25)  # several buckets, gathered one after another
         opt = shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), model)
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
-        model(x).square().mean().backward()
-        grads = [g.clone() for g in model.full_gradients()]
-        expected = [p.detach() - 0.5 * g for p, g in zip(model.reducer.params, grads, strict=True)]
-        if rank == 1:
-            _await(marks / f"stepped-{stage}")  # rank 0's step has returned: its all-gathers wait for this rank's
-        opt.step()
-        if rank == 0:
-            _signal(marks / f"stepped-{stage}")
-        in_flight = model.in_flight
-        deferred, pending = in_flight.deferred, in_flight.pending
-        if stage == 1:
-            model.wait_weights()  # an EMA's documented wait, right after the step
+        whole = []
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            grads = [g.clone() for g in model.full_gradients()]
+            expected = [p.detach() - 0.5 * g for p, g in zip(model.reducer.params, grads, strict=True)]
+            if rank == 1:
+                time.sleep(0.3)  # a peer that runs late: rank 0's step returns only once this one's gathers ran
+            opt.step()
             read = [p.detach().clone() for p in model.reducer.params]
-        else:
-            state = net.state_dict()  # the user's own module: its state dict waits by itself
-            read = [state[name] for name, p in net.named_parameters() if any(p is q for q in model.reducer.params)]
-        whole = all(torch.equal(a, b) for a, b in zip(read, expected, strict=True))
-        opt.zero_grad()
-        model(x).square().mean().backward()  # the next step's forward: nothing is in flight after it
-        left = (in_flight.pending, torch._C._len_torch_dispatch_stack())
-        if rank == 1:
-            _await(marks / f"forward-{stage}")  # rank 0's next forward has begun
-        opt.step()
-        waits_before = in_flight.hook_waits
-        begun_mark = marks / f"forward-{stage}"
-        signal = functools.partial(_signal_first, rank, begun_mark)
-        begun = net[0].register_forward_pre_hook(signal, prepend=True)  # before the hook that waits
-        model(x)  # rank 0's first layer waits for the peer's all-gather of it
-        begun.remove()
-        found[f"zero{stage}"] = {
-            "deferred": deferred,
-            "pending_after_step": pending,
-            "read_whole": whole,
-            "after_forward": left,
-            "forward_waits": in_flight.hook_waits - waits_before,
-        }
+            last = net[4].state_dict()["weight"]
+            whole.append(
+                all(torch.equal(a, b) for a, b in zip(read, expected, strict=True))
+                and torch.equal(last, expected[[id(p) for p in model.reducer.params].index(id(net[4].weight))])
+            )
+        found[f"zero{stage}"] = {"read_whole": whole, "buckets": len(model.reducer.buckets)}
         model.close()
     return found
 
@@ -695,7 +648,7 @@ def suite(rank: int, world: int, directory: str) -> dict[str, Any]:
         "torch_utilities": torch_utilities(rank, world),
         "peak_memory": peak_memory(rank, world),
         "first_bucket_overlaps": first_bucket_overlaps(rank, world),
-        "weights_in_flight": weights_in_flight(rank, world, directory),
+        "weights_after_step": weights_after_step(rank, world),
     }
 
 

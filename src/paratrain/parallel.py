@@ -490,17 +490,24 @@ class Parallel:
         self.strategy.barrier()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's model, without the strategy's wrapper (its state_dict has no ``module.`` prefix), its
-        weights whole (the last step's all-gathers waited for: :meth:`wait_weights`)."""
-        self.strategy.wait_weights()
+        """The user's model, without the strategy's wrapper (its state_dict has no ``module.`` prefix)."""
         return self.strategy.unwrap(model)
 
-    def wait_weights(self) -> None:
-        """Wait for the weights the last ``step()`` is still gathering (zero1, zero2 leave those all-gathers in
-        flight until the next forward needs them): call it before reading parameters between a step and the next
-        forward (an EMA, a histogram). ``state_dict()``, :meth:`save`, :meth:`unwrap` and closing wait by
-        themselves; under the other strategies there is nothing to wait for."""
-        self.strategy.wait_weights()
+    @contextmanager
+    def full_weights(self, model: nn.Module) -> Iterator[nn.Module]:
+        """The user's model with its whole weights inside the block, for reads between steps (an EMA, a copy)::
+
+            with par.full_weights(model) as module:
+                for e, p in zip(ema.parameters(), module.parameters()):
+                    e.lerp_(p, 0.001)
+
+        Under zero3 no rank holds whole weights between forwards (a parameter's use outside a forward or this block
+        raises, naming it): the block gathers every unit from every rank (a collective: every rank enters it at the
+        same point), and what is written into the weights inside is kept. Under the other strategies every rank
+        holds the weights and the block only gives the module.
+        """
+        with self.strategy.full_weights(model) as module:
+            yield module
 
     def save(self, state: dict[str, Any], path: str | Path) -> Path | None:
         """Write a training state atomically; every process calls it and waits for it.

@@ -44,8 +44,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from paratrain.comm.ops import serving_backend
 from paratrain.comm.process_groups import default_store, group_sequence, keep_forever, to_seconds, wait_work
 from paratrain.diagnostics.board import Board, cause_found_by, claim_diagnosis, diagnosed_by, found_cause
 from paratrain.diagnostics.error_file import error_line, record_error
@@ -83,8 +85,9 @@ class CollectiveMonitor:
     ``group`` and differ from that of any other live monitor on this rank (DistributedDataParallel agrees on
     one at start-up). Ranks in errors are global ranks (torchrun's RANK).
 
-    ``host_waits`` chooses how waits are watched (see the module docstring): None picks by backend (the host
-    waits on gloo, the watchdog follows nccl); tests force the watchdog on gloo with False. ``report_path`` is where
+    ``host_waits`` chooses how waits are watched (see the module docstring): None picks by the backend that serves
+    ``device``, the device of the collectives' tensors (the host waits on gloo, the watchdog follows nccl); tests force
+    the watchdog on gloo with False. ``report_path`` is where
     a hang report goes; ``checks=False`` leaves out the drift check (benchmarks price it with it).
     """
 
@@ -97,13 +100,15 @@ class CollectiveMonitor:
         host_waits: bool | None = None,
         report_path: str | None = None,
         checks: bool = True,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.timeout = to_seconds(timeout)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
         self._group = group if group is not None else dist.group.WORLD
-        self.host_waits = dist.get_backend(group) != "nccl" if host_waits is None else host_waits
+        nccl = serving_backend(self._group, device) == "nccl"  # it waits on the device's stream
+        self.host_waits = not nccl if host_waits is None else host_waits
         self.report_path = report_path or DEFAULT_REPORT
         self._checks = checks  # the drift check and the group numbers it compares (False: benchmarks price them)
         self._seq = 0

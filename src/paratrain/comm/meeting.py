@@ -54,6 +54,10 @@ class Meeting:
         self._gone = gone
         self._counts: dict[str, int] = {}
         self._last: dict[str, frozenset[int]] = {}  # the ranks of each name's last meeting that every rank came to
+        # meetings whose ranks launch collectives as soon as every rank came (zero3's gathering of the weights), and
+        # what a rank waiting there does: one waiting at such a meeting that this rank has not come to went on, for
+        # every other meeting, as a rank that launched a collective did
+        self.launching: dict[str, str] = {}
 
     def attend(
         self,
@@ -114,6 +118,21 @@ class Meeting:
         posted = self.wait_for(point, ranks, what, refuse)
         self._forget_previous(name, ranks)
         return posted
+
+    def _waiting_elsewhere(self, ranks: Iterable[int], point: str) -> dict[int, str]:
+        """The ranks among ``ranks`` waiting at the next meeting of a :attr:`launching` name other than ``point``'s
+        (this rank's next one: it has not come there), and what they do there. Only the key's presence is read: a
+        rank may withdraw it at any time, and a read of a key gone would wait for it."""
+        found: dict[int, str] = {}
+        here = point.rsplit("-", 1)[0]
+        for name, doing in self.launching.items():
+            if name == here:
+                continue
+            there = f"{name}-{self._counts.get(name, 0) + 1}"
+            for r in ranks:
+                if r not in found and self._store.check([self._key(there, r)]):  # type: ignore[attr-defined]
+                    found[r] = doing
+        return found
 
     def _forget_previous(self, name: str, ranks: list[int]) -> None:
         """Every one of ``ranks`` came to this meeting, so each has finished waiting at the one before: this rank's
@@ -176,6 +195,9 @@ class Meeting:
             if now - looked >= GONE_EVERY_S:
                 looked = now
                 gone = {r: how for r, how in self._gone().items() if r in missing}
+                gone.update(self._waiting_elsewhere(missing, point))
+                # a rank seen gone may have come just before: its key there settles it
+                gone = {r: how for r, how in gone.items() if not self._store.check([self._key(point, r)])}  # type: ignore[attr-defined]
                 if gone:
                     raise error(refuse(gone))
             if now - started > self.timeout:

@@ -1,6 +1,6 @@
 """The sharded engines' collectives, chosen once per process group: the one place that knows the backend.
 
-    ops = GroupOps(group)
+    ops = GroupOps(group, device)                 # device: where the tensors live (the backend serving it decides)
     work = ops.all_gather(buffer, part)           # every rank's part into buffer (part may be this rank's slice)
     reduction = ops.reduce_scatter(part, whole)   # the sum of every rank's ``whole``, this rank's slice into part
     monitor.wait(reduction.work, seq, what); reduction.finish()
@@ -23,8 +23,31 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.process_groups import no_python_in_work
+from paratrain.errors import DistributedError
 
-__all__ = ["GroupOps", "Reduction"]
+__all__ = ["GroupOps", "Reduction", "serving_backend"]
+
+
+def serving_backend(group: Any, device: torch.device | str) -> str:
+    """The backend that runs ``group``'s collectives on tensors of ``device``'s type (``gloo``, ``nccl``, ...): the
+    one check of the backend. A group names one backend for every device type (``gloo``) or one per type
+    (``cpu:gloo,cuda:nccl``, what ``init_process_group()`` makes when given no backend).
+
+    Raises:
+        DistributedError: the group names no backend for that device type.
+    """
+    config = str(dist.get_backend(group if group is not None else dist.group.WORLD))
+    kind = torch.device(device).type
+    if ":" not in config:
+        return config
+    for pair in config.split(","):
+        device_type, _, backend = pair.partition(":")
+        if device_type.strip() == kind:
+            return backend.strip()
+    raise DistributedError(
+        f"the process group's backends ({config}) serve no {kind} tensors: keep the model on a device the group "
+        f"serves, or initialise the group with a backend for {kind} (for example 'cpu:gloo,cuda:nccl')"
+    )
 
 
 @dataclass
@@ -47,13 +70,14 @@ class Reduction:
 
 
 class GroupOps:
-    """All-gather and reduce-scatter over ``group``, each the backend's best form of it (module docstring)."""
+    """All-gather and reduce-scatter over ``group`` of tensors on ``device``, each the best form of it for the backend
+    that serves that device (module docstring)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, device: torch.device | str) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         # gloo's reduce-scatter keeps a clone of the whole input alive in its Work: an all-reduce in place instead
-        self.reduces_in_place = dist.get_backend(self.group) == "gloo"
+        self.reduces_in_place = serving_backend(self.group, device) == "gloo"
 
     def all_gather(self, buffer: torch.Tensor, part: torch.Tensor) -> Any:
         """Start gathering every rank's ``part`` into ``buffer`` (rank ``r``'s at ``r * part.numel()``): the Work."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
+from paratrain.comm.ops import serving_backend
 from paratrain.comm.process_groups import group_sequence, to_seconds
 from paratrain.ddp.bucket_collective import AllReduce, CollectiveFactory
 from paratrain.ddp.comm_hooks import CommHook
@@ -189,6 +190,7 @@ class DistributedDataParallel(UserKeys, nn.Module):
             namespace=namespace,
             report_path=self._hang_report,
             checks=self._hang_checks,
+            device=self.device,
         )
         # stops the monitor's thread when the wrapper is collected, and at interpreter exit (weakref.finalize runs
         # from atexit, before finalization) for a wrapper still alive then and never closed
@@ -230,10 +232,8 @@ class DistributedDataParallel(UserKeys, nn.Module):
     # -- start-up ---------------------------------------------------------------------------------------------
 
     def _control_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self._backend() == "nccl" else torch.device("cpu")
-
-    def _backend(self) -> str:
-        return str(dist.get_backend(self.process_group))
+        nccl = serving_backend(self.process_group, self.device) == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def _start_up(self, timeout: float | None) -> str:
         """Check that every rank holds the same parameters, and agree on the monitor's namespace (ddp_setup.py)."""

@@ -142,6 +142,7 @@ class HalfMixed(MixedPrecision):
             if id(optimizer) not in self._unscaled:
                 self.scaler.unscale_(optimizer)  # also records whether its gradients are finite
                 self._agree(optimizer)
+                self._unscaled_elsewhere(optimizer)
                 self._unscaled.add(id(optimizer))
 
     def _agree(self, optimizer: torch.optim.Optimizer) -> None:
@@ -153,6 +154,15 @@ class HalfMixed(MixedPrecision):
         agree = getattr(optimizer, "agree_found_inf", None)
         if agree is not None:
             agree(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+
+    def _unscaled_elsewhere(self, optimizer: torch.optim.Optimizer) -> None:
+        """A sharded optimizer's gradients were unscaled in this process's pieces: the strategy divides by the same
+        scale what it holds beyond them (zero1's whole gradients, zero2's whole-gradient norms), so that the norm
+        a clip measures is of unscaled gradients, as under ddp."""
+        unscaled = getattr(optimizer, "gradients_unscaled", None)
+        if unscaled is not None:
+            # the scaler's own factor: the scale's reciprocal in float64, as float32 (exact: scales are powers of 2)
+            unscaled(torch.tensor(1.0 / self.scaler.get_scale(), dtype=torch.float64).float())
 
     def step(self, optimizers: Iterable[torch.optim.Optimizer]) -> bool:
         # every optimizer steps on the same scale; the scale then changes once (several optimizers per step

@@ -22,6 +22,7 @@ from paratrain.comm.collectives import CollectiveMonitor
 from paratrain.comm.ops import GroupOps
 from paratrain.ddp.buckets import Bucket
 from paratrain.errors import DistributedError
+from paratrain.sharded.guard import rest, wake
 from paratrain.sharded.partition import BucketShards, Piece, shard_bucket
 from paratrain.sharded.units import UnitPlan
 
@@ -65,7 +66,7 @@ class ShardedUnit:
         self.full = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.device)
         self._bytes = self.full.untyped_storage().nbytes()
         self.views = [
-            self.full.narrow(0, o, n).view_as(p) for o, n, p in zip(offsets, numels, self.params, strict=True)
+            self.full.narrow(0, o, n).view(p.shape) for o, n, p in zip(offsets, numels, self.params, strict=True)
         ]
         nan = torch.full((), float("nan"), dtype=self.dtype, device=self.device)
         self.resting = [nan.expand(p.shape) for p in self.params]  # a parameter between uses: its shape, no memory
@@ -111,15 +112,15 @@ class ShardedUnit:
         """Make the parameters views of the gathered buffer (it must be gathered)."""
         if not self.in_use:
             for p, view in zip(self.params, self.views, strict=True):
-                p.data = view
+                wake(p, view)
             self.in_use = True
 
     def free(self) -> None:
-        """Release the gathered buffer's storage; the parameters rest (their shape, reading NaN)."""
+        """Release the gathered buffer's storage; the parameters rest (their shape; a read raises, sharded/guard.py)."""
         if self.gathering is not None:
             return  # still being filled: freed when it is waited for and used, or at the end of backward
         for p, resting in zip(self.params, self.resting, strict=True):
-            p.data = resting
+            rest(p, resting)
         self.in_use = False
         if self.gathered:
             self.full.untyped_storage().resize_(0)
@@ -151,7 +152,7 @@ class ShardedUnit:
         self.arrived[i] = True
         self.pending -= 1
         assert self.grad_full is not None, "open_grad() comes first"
-        slot = self.grad_full.narrow(0, self.offsets[i], p.numel()).view_as(p)
+        slot = self.grad_full.narrow(0, self.offsets[i], p.numel()).view(p.shape)
         if grad.requires_grad:
             grad = grad.detach()
         with torch.no_grad():

@@ -12,7 +12,8 @@ so the model runs the same whether called through the wrapper or directly:
 
 - before a unit's forward its weights are all-gathered into the flat buffer and its parameters become views of
   it; after the forward the buffer's storage is released (``reshard_after_forward``; the root keeps its weights
-  through a training forward, its backward comes first); between uses a parameter keeps its shape and reads NaN;
+  through a training forward, its backward comes first); between uses a parameter keeps its shape and any read of
+  its values raises, naming ``par.full_weights(model)`` (:func:`paratrain.sharded.guard.rest`);
 - a hook on the unit's outputs gathers the weights again before its backward; once every gradient of the unit
   has arrived they are divided by the world size (as our DDP divides them) and summed by a reduce-scatter into
   this rank's part of the shard's gradient (:mod:`paratrain.sharded.unit_reduce`, through
@@ -45,7 +46,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
-from paratrain.comm.ops import GroupOps
+from paratrain.comm.ops import GroupOps, serving_backend
 from paratrain.comm.process_groups import to_seconds
 from paratrain.ddp.setup import agree_at_start_up
 from paratrain.diagnostics.stacks import UserLine
@@ -124,9 +125,13 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         self._control = self._control_device(device)
         signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
         namespace = agree_at_start_up(self.process_group, signature, self._timeout, self._control)
-        self.ops = GroupOps(self.process_group)
+        self.ops = GroupOps(self.process_group, self._compute_device(module, device))
         self.monitor = CollectiveMonitor(
-            self.process_group, self._timeout, namespace=namespace.replace("ddp-", "zero3-"), report_path=hang_report
+            self.process_group,
+            self._timeout,
+            namespace=namespace.replace("ddp-", "zero3-"),
+            report_path=hang_report,
+            device=self._compute_device(module, device),
         )
         self._finalizer = weakref.finalize(self, self.monitor.close)
         plan = plan_units(module, units, min_params)
@@ -154,6 +159,9 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         # called before a forward under no_grad gathers anything (Zero3Strategy: every rank meets, so a forward on
         # one rank only, an evaluation under `if rank == 0`, is refused at once instead of hanging in its all-gather)
         self.before_no_grad_forward: Callable[[], object] | None = None
+        # called, with what the user called, before the weights are gathered outside a forward (a state dict, a
+        # load, full_weights): every rank meets, so one under `if rank == 0` is refused at once, naming the fix
+        self.before_gathering: Callable[[str], object] | None = None
         # training forwards since the last backward ended, where the latest were called, and how many the last backward
         # followed: a rank that runs more than that meets the others first (before_extra_forward, given the call sites
         # and the count), so a training forward on one rank only is named before its all-gathers pair with a peer's
@@ -177,8 +185,16 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         unit.free()
         return unit
 
+    @staticmethod
+    def _compute_device(module: nn.Module, device: torch.device | None) -> torch.device:
+        """Where the units' weights live once materialised."""
+        if device is not None:
+            return device
+        first = next(iter(module.parameters()), None)
+        return first.device if first is not None and first.device.type != "meta" else torch.device("cpu")
+
     def _control_device(self, device: torch.device | None) -> torch.device:
-        if dist.get_backend(self.process_group) == "nccl":
+        if serving_backend(self.process_group, self._compute_device(self.module, device)) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return device if device is not None and device.type != "meta" else torch.device("cpu")
 
@@ -438,8 +454,8 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def gathers_launched(self) -> None:
         """Nothing in flight (see :meth:`launch_gather`)."""
 
-    def wait_weights(self) -> None:
-        """Nothing in flight: the shards are the weights."""
+    def gathers_failed(self) -> None:
+        """Nothing in flight (see :meth:`launch_gather`)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Clear this rank's gradients, and the whole gradients kept inside ``no_sync``."""
@@ -453,6 +469,9 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def agree_found_inf(self, found: dict[torch.device, torch.Tensor]) -> None:
         """The gradient scaler's per-device inf/nan flags, made the maximum over every rank (in place)."""
         agree_found_inf(found, self._control, self._control, self.process_group, self.monitor)
+
+    def grads_unscaled(self, params: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> None:
+        """Nothing beyond this rank's shards holds gradients: a clip gathers each unit's unscaled parts."""
 
     def on_synchronised(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` at the end of every backward that reduced gradients (optimizers assign theirs)."""
@@ -475,7 +494,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             whole = self._all_gather(unit, unit.shard_grad, f"gradients of unit {unit.label}, for their norm")
             for i in unit.trainable:
                 p = unit.params[i]
-                found[id(p)] = tensor_norm(whole.narrow(0, unit.offsets[i], p.numel()).view_as(p), norm_type)
+                found[id(p)] = tensor_norm(whole.narrow(0, unit.offsets[i], p.numel()).view(p.shape), norm_type)
             del whole
         norms = [found[id(p)] for p in self.module.parameters() if id(p) in found]  # torch's order
         grads = [g for piece in self.owned_pieces() if (g := self.piece_grad(piece)) is not None]
@@ -495,7 +514,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             whole = self._all_gather(unit, part, f"gradients of unit {unit.label}")
             for i, p in enumerate(unit.params):
                 has = unit.shard_grad is not None and p.requires_grad
-                grads[id(p)] = whole.narrow(0, unit.offsets[i], p.numel()).view_as(p).clone() if has else None
+                grads[id(p)] = whole.narrow(0, unit.offsets[i], p.numel()).view(p.shape).clone() if has else None
         return grads
 
     @contextmanager
@@ -507,9 +526,14 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         finally:
             self._sharded_state = previous
 
+    def _meet(self, what: str) -> None:
+        if self.world_size > 1 and self.before_gathering is not None:
+            self.before_gathering(what)
+
     def gathered_state(self, state: dict[str, Any], prefix: str) -> None:
         """Replace the parameters of ``state`` (a state dict of the root, keys under ``prefix``) by whole copies,
         unit by unit (a collective)."""
+        self._meet("model.state_dict()")
         by_id: dict[int, list[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             by_id.setdefault(id(p), []).append(prefix + name)
@@ -527,6 +551,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         """The module's state dict, entry by entry in its order, each parameter whole (a copy, from its unit's
         gathered weights; a collective: every rank iterates to the end). One unit is
         gathered at a time, so the whole model is never held (a fingerprint of a zero3 model: paratrain train)."""
+        self._meet("the model's whole state")
         with self.sharded_state():
             state = self.module.state_dict()
         where = {name: self._unit_of[id(p)] for name, p in self.module.named_parameters(remove_duplicate=False)}
@@ -552,10 +577,25 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
         finally:
             release()
 
-    def gather_all(self) -> None:
+    def gather_all(self, what: str = "model.load_state_dict()") -> None:
         """Every unit's whole weights, the parameters views of them (before a load_state_dict writes into them)."""
+        self._meet(what)
         for unit in self.units:
             self._gather(unit)
+
+    @contextmanager
+    def full_weights(self) -> Iterator[None]:
+        """Inside, every parameter holds its whole weights (a collective: every rank enters, at the same point);
+        on leaving, what was written into them is kept (each rank its part) and the gathered copies released."""
+        held = [unit.gathered and unit.gathering is None for unit in self.units]
+        self.gather_all("par.full_weights(model)")
+        try:
+            yield
+        finally:
+            for unit, was in zip(self.units, held, strict=True):
+                unit.keep_own_part()
+                if not was:
+                    unit.free()
 
     def scatter_all(self) -> None:
         """Keep this rank's part of every unit's (just written) weights, and release the rest."""
@@ -566,7 +606,7 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     def close(self) -> None:
         """Detach the hooks from the user's modules and stop background work (before the group is destroyed).
 
-        The parameters stay as they rest (their shapes, reading NaN): nothing is gathered, the model may not fit
+        The parameters stay as they rest (their shapes; a read raises): nothing is gathered, the model may not fit
         whole. Take what is needed before: ``state_dict()`` (whole tensors) or a checkpoint (``Parallel.save``).
         """
         for handle in self._handles:

@@ -9,8 +9,8 @@
 Each parameter group holds this rank's pieces of the group's parameters (:class:`OwnedPiece`: 1-d views of the
 weights' flat buffers, so an update in place is an update of the model), which may be none. A step runs the
 user's class's own update bucket by bucket, starting each bucket's all-gather of the updated weights as soon as
-its pieces are updated (the first layers' first), and returns with them in flight: the next forward, or any
-read of the weights before it, waits for each bucket as it needs it (:mod:`paratrain.sharded.in_flight`). The
+its pieces are updated (so the gathers overlap the later buckets' updates), and returns once they are done:
+whatever reads the weights after ``step()`` reads the updated ones (on NCCL the stream waits, the host goes on). The
 update of one element must depend only on that element's gradient and state, which holds for the classes in
 :data:`ELEMENTWISE`; others are refused by name (a class of the user's own may declare
 ``paratrain_elementwise = True``).
@@ -105,11 +105,13 @@ class ShardSource(Protocol):
 
     def gathers_launched(self) -> None: ...
 
-    def wait_weights(self) -> None: ...
+    def gathers_failed(self) -> None: ...
 
     def zero_grad(self, set_to_none: bool) -> None: ...
 
     def agree_found_inf(self, found: dict[torch.device, torch.Tensor]) -> None: ...
+
+    def grads_unscaled(self, params: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> None: ...
 
     def on_synchronised(self, callback: Callable[[], None]) -> None: ...
 
@@ -182,6 +184,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def agree_found_inf(self, found: dict[torch.device, torch.Tensor]) -> None:
         """Make the gradient scaler's inf/nan check global: a step skips on every rank or on none."""
         self._shard.source.agree_found_inf(found)
+
+    def gradients_unscaled(self, inv_scale: torch.Tensor) -> None:
+        """The gradient scaler multiplied this rank's pieces' gradients by ``inv_scale``: the wrapper does the same to
+        what it holds of this optimizer's parameters beyond them (the norm a clip measures is then ddp's)."""
+        self._shard.source.grads_unscaled(self._shard.params, inv_scale)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, as torch's state dict of its pieces; it loads back only into the same layout."""
@@ -374,7 +381,6 @@ class _Shard:
             value.grad = self.source.piece_grad(piece)
 
     def step(self, optimizer: ShardedOptimizer, kwargs: dict[str, Any]) -> None:
-        self.source.wait_weights()  # the last step's all-gathers, when no forward waited for them
         self.assign_grads()
         update = _unhooked(self.base.step)
         groups = optimizer.param_groups
@@ -389,6 +395,9 @@ class _Shard:
                         group["params"] = params
                     update(optimizer, **kwargs)
                 self.source.launch_gather(b)  # every rank gathers every bucket, in the same order
+        except BaseException:
+            self.source.gathers_failed()
+            raise
         finally:
             for group, params in zip(groups, kept, strict=True):
                 group["params"] = params

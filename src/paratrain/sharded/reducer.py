@@ -81,7 +81,7 @@ class ReduceScatter(BucketCollective):
         monitor: CollectiveMonitor,
     ) -> None:
         super().__init__(params, names, buckets, group=group, monitor=monitor)
-        self.ops = GroupOps(group)
+        self.ops = GroupOps(group, self.buckets[0].device if self.buckets else "cpu")
         self.rank = self.ops.rank
         numels = [p.numel() for p in self.params]
         self.shards: list[BucketShards] = [shard_bucket(b, numels, self.world_size) for b in self.buckets]
@@ -237,6 +237,15 @@ class ReduceScatter(BucketCollective):
 
     def _forget_norms(self) -> None:
         self._norms, self._measured = {}, {}
+
+    def norms_unscaled(self, indices: Sequence[int], inv_scale: torch.Tensor) -> None:
+        """The gradient scaler unscaled this rank's parts of parameters ``indices``: their norms measured during
+        backward, from the scaled sums, are scaled alike (a power of 2: the same float as the norm of the unscaled
+        gradient). Norms not measured yet are measured later from the parts, unscaled by then."""
+        for i in indices:
+            norm = self._norms.get(i)
+            if norm is not None:
+                self._norms[i] = norm * inv_scale.to(norm.device)
 
     def whole_norms(self, norm_type: float) -> dict[int, torch.Tensor]:
         """Every reduced parameter's whole-gradient norm, torch's number for its ``.grad`` under DDP (a collective).

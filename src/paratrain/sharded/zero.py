@@ -32,12 +32,12 @@ from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S
 from paratrain.comm.ops import GroupOps
+from paratrain.comm.process_groups import keep_forever
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.devices import DeviceLike
 from paratrain.errors import ConfigError, DistributedError
 from paratrain.sharded.grad_norm import clip_to, tensor_norm
 from paratrain.sharded.guard import GradientGuard
-from paratrain.sharded.in_flight import Gather, WeightsInFlight, settle_outside_graph
 from paratrain.sharded.optimizer import OwnedPiece, agree_found_inf
 from paratrain.sharded.partition import BucketShards, shard_bucket
 from paratrain.sharded.reducer import ReduceScatter
@@ -104,11 +104,9 @@ class ZeroDataParallel(DistributedDataParallel):
         self._start_in_bucket = {
             i: offset for bucket in reducer.buckets for i, offset in zip(bucket.indices, bucket.offsets, strict=True)
         }
-        self.ops = GroupOps(self.process_group)
-        self._gathers: list[Gather] = []  # launched by this step
-        # the step's all-gathers, until the forward's hooks (or another wait point) need them
-        bucket_of = {id(reducer.params[i]): b for b, bucket in enumerate(reducer.buckets) for i in bucket.indices}
-        self.in_flight = WeightsInFlight(self.module, bucket_of, self.monitor)
+        self._bucket_of = {i: b for b, bucket in enumerate(reducer.buckets) for i in bucket.indices}
+        self.ops = GroupOps(self.process_group, self.device)
+        self._gathers: list[tuple[int, Any, int]] = []  # launched by this step: (bucket, Work, collective number)
         self._synchronised: list[Callable[[], None]] = []
         reducer.on_synchronised = self._after_sync
 
@@ -164,34 +162,23 @@ class ZeroDataParallel(DistributedDataParallel):
         shards, buffer = self.shards[bucket], self.flat[bucket]
         seq = self.monitor.launched()
         work = self.ops.all_gather(buffer, buffer.narrow(0, self.rank * shards.part, shards.part))
-        self._gathers.append(Gather(bucket, work, seq))
+        self._gathers.append((bucket, work, seq))
 
     def gathers_launched(self) -> None:
-        """The step launched every bucket's all-gather: they stay in flight until the forward's hooks reach their
-        buckets (:mod:`paratrain.sharded.in_flight`); on NCCL the stream waits for them at once."""
+        """The step launched every bucket's all-gather (each as its update ended, overlapping the later buckets'
+        updates): wait for them, so that whatever reads the weights once ``step()`` returns (the next forward, an
+        EMA, ``load_state_dict``, a submodule's ``state_dict``, the raw model) reads the updated ones. On NCCL the
+        wait is the stream's: later kernels run after the all-gathers, the host goes on."""
         gathers, self._gathers = self._gathers, []
-        self.in_flight.hold(gathers)
+        for bucket, work, seq in gathers:
+            self.monitor.wait(work, seq, f"all-gather of updated parameters, bucket {bucket}")
 
-    def wait_weights(self) -> None:
-        """Wait for the last step's all-gathers of the weights: call it before reading the parameters between
-        ``step()`` and the next forward (an EMA, a histogram). ``state_dict`` and ``Parallel.save`` wait for them."""
-        self.in_flight.settle()
-
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """DDP's forward; each module waits for its buckets' all-gathers still in flight as it starts, and all of
-        them are waited for by the time it returns (backward never runs with any in flight)."""
-        if self.in_flight.pending and (torch.compiler.is_compiling() or _compiled(self.module)):
-            settle_outside_graph(self.in_flight)  # a compiled module: its graph holds no wait (one break here)
-        try:
-            outputs = super().forward(*inputs, **kwargs)
-        except BaseException:
-            if self.monitor.failure is None:
-                self.in_flight.settle()
-            else:  # an all-gather failed: nothing more is waited for
-                self.in_flight.drop()
-            raise
-        self.in_flight.settle()
-        return outputs
+    def gathers_failed(self) -> None:
+        """The step raised before it waited: the all-gathers it launched are not waited for (the job is ending;
+        gloo may still write into the buffers, so each Work is kept to the end of the process)."""
+        gathers, self._gathers = self._gathers, []
+        for _, work, _ in gathers:
+            keep_forever(work)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Clear the gradients: the model's ``.grad`` (zero1: views of the buckets) and this rank's parts."""
@@ -208,6 +195,29 @@ class ZeroDataParallel(DistributedDataParallel):
         """The gradient scaler's per-device inf/nan flags, made the maximum over every rank (in place)."""
         device = self.flat[0].device if self.flat else torch.device("cpu")
         agree_found_inf(found, device, self._control_device(), self.process_group, self.monitor)
+
+    def grads_unscaled(self, params: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> None:
+        """The gradient scaler multiplied this rank's pieces of ``params``' gradients by ``inv_scale``: the rest of
+        what this rank holds of them gets the same. zero1: the other ranks' parts of the whole gradients (which a
+        clip's norm reads, as torch's function on ddp's unscaled ``.grad``); zero2: the whole-gradient norms measured
+        during backward (each scaled by the factor: the same float, the factor being a power of 2)."""
+        indices = [i for p in params if (i := self._index.get(id(p))) is not None]
+        if self._scatter is not None:
+            self._scatter.norms_unscaled(indices, inv_scale)
+            return
+        others: list[torch.Tensor] = []
+        for i in indices:
+            if self.reducer.params[i].grad is None:
+                continue
+            b = self._bucket_of[i]
+            start, end = self._start_in_bucket[i], self._start_in_bucket[i] + self.reducer.params[i].numel()
+            own_start, own_end = self.rank * self.shards[b].part, (self.rank + 1) * self.shards[b].part
+            buffer = self.reducer.collective.buffers[b]
+            for lo, hi in ((start, min(end, own_start)), (max(start, own_end), end)):
+                if hi > lo:
+                    others.append(buffer.narrow(0, lo, hi - lo))
+        if others:
+            torch._foreach_mul_(others, inv_scale.to(others[0].device))
 
     def on_synchronised(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` at the end of every backward that reduced gradients (optimizers assign theirs)."""
@@ -290,16 +300,6 @@ class ZeroDataParallel(DistributedDataParallel):
             f"and a hook replaces an all-reduce; use strategy ddp or zero1 for a hook"
         )
 
-    def close(self) -> None:
-        """DDP's close; an all-gather still in flight is waited for first (and left to gloo after a failure)."""
-        try:
-            if self.monitor.failure is None:
-                self.in_flight.settle()
-        finally:
-            self.in_flight.drop()
-            self.in_flight.close()
-            super().close()
-
     def __getstate__(self) -> dict[str, Any]:
         raise DistributedError(
             "a ZeroDataParallel cannot be pickled: save its state through Parallel.save (a sharded checkpoint), "
@@ -308,8 +308,3 @@ class ZeroDataParallel(DistributedDataParallel):
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}, {super().extra_repr()}"
-
-
-def _compiled(module: nn.Module) -> bool:
-    """Whether ``module`` is ``torch.compile``'s wrapper of a module (its forward runs as compiled graphs)."""
-    return type(module).__name__ == "OptimizedModule"

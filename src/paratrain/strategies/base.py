@@ -94,12 +94,10 @@ class Strategy(ABC):
         """
         return self._wrapped.get(model, model)
 
-    def wait_weights(self) -> None:
-        """Wait for every prepared model's weights still being gathered after a step (zero1, zero2)."""
-        for wrapper in self._wrapped:
-            wait = getattr(wrapper, "wait_weights", None)
-            if wait is not None:
-                wait()
+    @contextmanager
+    def full_weights(self, model: nn.Module) -> Iterator[nn.Module]:
+        """The user's model with its whole weights inside the block (zero3 gathers them; the others hold them)."""
+        yield self.unwrap(model)
 
     def prepared(self, model: nn.Module) -> bool:
         """True for a model :meth:`wrap_model` returned (or the user's model inside it)."""

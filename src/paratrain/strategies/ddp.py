@@ -19,6 +19,7 @@ from torch import nn
 
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from paratrain.comm.meeting import Meeting
+from paratrain.comm.ops import serving_backend
 from paratrain.comm.process_groups import default_store, group_sequence
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.ddp.options import DDPOptions, Refusal, refuse_options
@@ -127,11 +128,13 @@ class DistributedStrategy(Strategy):
             small_buffer_unless_set()  # torch's Flight Recorder, read when ranks disagree: small is cheap to read
             _init_process_group(env, backend, timedelta(seconds=max(self._timeout, 60.0)))
             self._owns_group = True
-        elif dist.get_backend() == "nccl":
+        elif torch.cuda.is_available() and serving_backend(dist.group.WORLD, "cuda") == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
         group = dist.group.WORLD
         namespace = f"strategy-{group_sequence(group)}"
-        self._monitor = CollectiveMonitor(group, self._timeout, namespace=namespace, report_path=self._hang_report)
+        self._monitor = CollectiveMonitor(
+            group, self._timeout, namespace=namespace, report_path=self._hang_report, device=self._device
+        )
         store = default_store()
         if store is not None:
             self._meeting = Meeting(

@@ -48,6 +48,17 @@ def _forward_everywhere(gone: dict[int, str]) -> str:
     )
 
 
+def _gather_everywhere(what: str, gone: dict[int, str]) -> str:
+    """The refusal of a gathering of the weights that not every rank joins (``if rank == 0: model.state_dict()``)."""
+    went_on = "; ".join(f"rank {rank} {how}" for rank, how in sorted(gone.items()))
+    return (
+        f"{what} that not every rank calls ({went_on} instead): under zero3 it gathers every unit's weights from "
+        "every rank, so every rank calls it at the same point. Call it on every rank and let rank 0 alone write what "
+        "it gives (state = model.state_dict(); if par.is_main: torch.save(state, path)), or save a checkpoint with "
+        "par.save(...) on every rank"
+    )
+
+
 def _extra_forward(rank: int, sites: list[str], count: int, gone: dict[int, str]) -> str:
     """The refusal of a training forward (autograd on) that other ranks did not run (a loss looked at on rank 0
     without torch.no_grad(), an extra forward under ``if par.is_main:``)."""
@@ -153,8 +164,18 @@ class Zero3Strategy(ShardedStrategy):
         meeting = self.meeting
         if meeting is not None:
             ranks = range(self.world_size)
+            # a rank waiting to gather the weights (every rank's model.state_dict() at the end, say) went on past a
+            # meeting on one rank only (an evaluation, a save): that one is refused, and its rank comes to the gathering
+            gathering = "zero3-gather-weights"
+            meeting.launching[gathering] = "waits to gather the weights (a state dict, a load or par.full_weights)"
             wrapped.before_no_grad_forward = lambda: meeting.attend(
-                "zero3-no-grad-forward", ranks, "a forward under torch.no_grad()", _forward_everywhere
+                "zero3-no-grad-forward",
+                ranks,
+                "a forward under torch.no_grad()",
+                _forward_everywhere,
+            )
+            wrapped.before_gathering = lambda what: meeting.attend(
+                gathering, ranks, what, lambda gone: _gather_everywhere(what, gone), value=f"gather for {what}"
             )
             monitor = wrapped.monitor
             wrapped.before_extra_forward = lambda sites, count: meeting.attend(
@@ -186,6 +207,12 @@ class Zero3Strategy(ShardedStrategy):
         self.check_prepared(model, "no_sync()")
         with self.wrapper_of(model, "no_sync()").no_sync():
             yield
+
+    @contextmanager
+    def full_weights(self, model: nn.Module) -> Iterator[nn.Module]:
+        wrapper = self.wrapper_of(model, "full_weights()")
+        with wrapper.full_weights():
+            yield wrapper.module
 
     def wrappers(self) -> list[FullyShardedDataParallel]:
         return list(self._sharded)

@@ -66,7 +66,6 @@ class ZeroStrategy(ShardedStrategy):
         whose value is not the parameter's data (a state-dict hook replaced it) is saved as it is, by rank 0.
         """
         wrapper = self.wrapper_of(model, "saving the model")
-        wrapper.wait_weights()  # the slices are written as memory, past the reads that wait by themselves
         mine: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for piece in wrapper.owned_pieces():
             mine.setdefault(id(piece.param), []).append((piece.start, piece.value))
