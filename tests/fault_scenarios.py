@@ -29,6 +29,7 @@ def a_rank_that_cannot_write_its_slices(rank: int, world: int, directory: str) -
 
 def _save_fails_on(strategy: str, limited: bool, root: Path) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    root.mkdir(parents=True, exist_ok=True)
     with paratrain.Parallel(strategy, "cpu", timeout=60) as par:
         torch.manual_seed(0)
         plain = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 8))  # a rank's slices: about 0.5 MB

@@ -287,6 +287,7 @@ def save_from_one_rank(rank: int, world: int, directory: str) -> dict[str, Any]:
     found: dict[str, Any] = {}
     base = Path(directory) / f"save-from-one-rank-{world}"
     for strategy in ("ddp", "zero2"):
+        (base / strategy).mkdir(parents=True, exist_ok=True)  # a save writes into an existing directory
         with paratrain.Parallel(strategy, "cpu", timeout=120) as par:
             torch.manual_seed(0)
             net = mlp()
@@ -301,7 +302,7 @@ def save_from_one_rank(rank: int, world: int, directory: str) -> dict[str, Any]:
                     cases["main alone"] = _saved(par, state, base / strategy / "main.pt", par.is_main)
                 elif step == 1:  # every rank: returns once the file (or directory) is written
                     cases["every rank"] = _saved(par, state, base / strategy / "every.pt", True)
-                    written = base / strategy / ("every.pt" if strategy == "ddp" else "every")
+                    written = base / strategy / "every.pt"  # a file (ddp) or a directory (zero2): the path given
                     cases["there on return"] = written.exists()
                 elif strategy == "ddp":  # the last rank alone: rank 0 writes, and went on
                     cases["last rank alone"] = _saved(par, state, base / strategy / "last.pt", rank == world - 1)

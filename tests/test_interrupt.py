@@ -43,7 +43,7 @@ def test_what_an_interrupted_run_says(tmp_path):
 
 def test_an_interrupted_sharded_run_names_its_checkpoint_directory(tmp_path):
     """zero1/zero2 save a directory of every rank's slices: the message names it, not a .pt file beside it."""
-    sharded = tmp_path / "epoch-0000-step-000364"
+    sharded = tmp_path / "epoch-0000-step-000364.pt"
     sharded.mkdir()
     (sharded / "index.pt").write_bytes(b"")
     assert f"and saved {sharded};" in interrupted_message(364, 0, 364, tmp_path)

@@ -260,8 +260,9 @@ def test_consolidate_writes_the_state_one_process_saves(tmp_path):
 
 
 def test_consolidate_takes_the_checkpoint_as_it_was_saved_or_trained_into(tmp_path, monkeypatch, capsys):
-    """`paratrain checkpoint consolidate ckpt/zero2-final.pt` after par.save(..., "ckpt/zero2-final.pt") wrote the
-    directory ckpt/zero2-final/; a run's --checkpoint-dir gives its latest checkpoint, as --resume takes it."""
+    """`paratrain checkpoint consolidate ckpt/zero2-final.pt` after an earlier paratrain's par.save(...,
+    "ckpt/zero2-final.pt") wrote the directory ckpt/zero2-final/; a run's --checkpoint-dir gives its latest
+    checkpoint, as --resume takes it."""
     monkeypatch.chdir(tmp_path)
     whole = _whole()
     _save_as(3, Path("ckpt"), "zero2-final", whole)
@@ -270,7 +271,7 @@ def test_consolidate_takes_the_checkpoint_as_it_was_saved_or_trained_into(tmp_pa
     code, out, err = run_main(capsys, "checkpoint", "consolidate", "ckpt/zero2-final.pt", "model.pt")
     assert code == 0 and err.splitlines() == [
         "paratrain checkpoint consolidate: ckpt/zero2-final.pt is the name the sharded checkpoint ckpt/zero2-final/ "
-        "was saved under (a sharded save writes a directory, without .pt): reading it"
+        "was saved under (an earlier paratrain wrote sharded checkpoints without .pt): reading it"
     ], err
     assert _equal(torch.load("model.pt", weights_only=True), whole["model"])
     assert out == "wrote model.pt (torch): the model state dict, 4 tensors, 64 elements\n"  # w 5x7, b 7, v 3x3x2, 4

@@ -45,7 +45,7 @@ def test_zero3_ends_on_ddps_weights_and_writes_sharded_checkpoints(runs):
     assert zero3["strategy"] == "zero3" and zero3["world_size"] == 2 and zero3["steps"] == 10
     assert zero3["model_fingerprint"] == ddp["model_fingerprint"]
     assert zero3["test_accuracy"] == ddp["test_accuracy"]
-    step5 = checkpoints / "epoch-0000-step-000005"
+    step5 = checkpoints / "epoch-0000-step-000005.pt"  # a directory at the checkpoint's own name
     assert is_sharded_checkpoint(step5)
     assert sorted(f.name for f in step5.iterdir()) == ["index.pt", "shard-00000.pt", "shard-00001.pt"]
 
@@ -53,8 +53,7 @@ def test_zero3_ends_on_ddps_weights_and_writes_sharded_checkpoints(runs):
 @pytest.mark.parametrize("source, strategy", [("zero3", "ddp"), ("ddp", "zero3")])
 def test_a_checkpoint_resumes_under_the_other_strategy(runs, tmp_path, source, strategy):
     written = runs[source][1]
-    path = written / "epoch-0000-step-000005"
-    path = path if path.exists() else path.with_suffix(".pt")
+    path = written / "epoch-0000-step-000005.pt"  # a file (ddp) or a directory (zero3): the same name
     resumed = _train(
         tmp_path, strategy, "--resume", str(path), "--checkpoint-dir", str(tmp_path / "ck"), "--max-steps", "5"
     )

@@ -50,7 +50,7 @@ def zero2_on_3(tmp_path_factory):
     directory = tmp_path_factory.mktemp("zero2x3")
     args = ("--checkpoint-dir", str(directory), "--checkpoint-every", "5", "--max-steps", "10")
     finish(_train("--strategy", "zero2", "--nproc-per-node", "3", *args))
-    return directory / "epoch-0000-step-000010"
+    return directory / "epoch-0000-step-000010.pt"
 
 
 def _ends_like_single(single, metrics: dict, directory: Path) -> None:

@@ -356,6 +356,7 @@ def checkpoints(rank: int, world: int, directory: str, others: bool = True) -> d
     resumed under zero3 (``others``): each continuing exactly as the run that never stopped."""
     found: dict[str, Any] = {}
     data = batches("gpt", 4)
+    Path(directory).mkdir(parents=True, exist_ok=True)
 
     def run(strategy: str, steps: range, load: Path | None, save: Path | None) -> torch.Tensor:
         with parallel(strategy, "gpt") as par:
@@ -370,16 +371,18 @@ def checkpoints(rank: int, world: int, directory: str, others: bool = True) -> d
                     opt.step()
                     opt.zero_grad()
             if save is not None:
+                save.parent.mkdir(parents=True, exist_ok=True)
                 written = par.save({"model": net, "optimizer": opt, "step": 2}, save)
                 found[f"{strategy}_written"] = str(written) if written is not None else None
             return flat(state_of(par, net))
 
     sharded = Path(directory) / f"zero3-{world}" / "step-2.pt"
+    sharded.parent.mkdir(parents=True, exist_ok=True)
     saved = run("zero3", range(2), load=None, save=sharded)
     if rank == 0:  # what the checkpoint holds, whole: the oracle of a resume at another world size
         torch.save(saved, sharded.parent / "state.pt")
-    found["files"] = sorted(f.name for f in sharded.with_suffix("").iterdir())
-    found["sharded"] = is_sharded_checkpoint(sharded.with_suffix(""))
+    found["files"] = sorted(f.name for f in sharded.iterdir())
+    found["sharded"] = is_sharded_checkpoint(sharded)
     uninterrupted = run("zero3", range(4), load=None, save=None)
     for strategy in ("zero3", "ddp", "single") if others else ("zero3", "single"):
         resumed = run(strategy, range(2, 4), load=sharded, save=None)
@@ -398,7 +401,7 @@ def resume_elsewhere(rank: int, world: int, directory: str) -> dict[str, Any]:
     """The checkpoint another world size's zero3 wrote, resumed here under zero3 and ddp: the model as it was
     saved, bit for bit, and the two continuing alike (bit for bit at two ranks)."""
     found: dict[str, Any] = {}
-    written = [p for p in Path(directory).glob("zero3-*/step-2") if p.parent.name != f"zero3-{world}"]
+    written = [p for p in Path(directory).glob("zero3-*/step-2.pt") if p.parent.name != f"zero3-{world}"]
     assert written, f"no zero3 checkpoint of another world size under {directory}"
     saved = torch.load(written[0].parent / "state.pt", weights_only=True)
     data = batches("gpt", 4)

@@ -334,6 +334,7 @@ def checkpoints(rank: int, world: int, directory: str) -> dict[str, Any]:
     file) loaded under zero1 and zero2: each continuing exactly as the run that never stopped."""
     found: dict[str, Any] = {}
     data = batches(4)
+    Path(directory).mkdir(parents=True, exist_ok=True)
     sharded = Path(directory) / "epoch-0000-step-000002.pt"
     whole = Path(directory) / "ddp-step-2.pt"
 
@@ -351,21 +352,22 @@ def checkpoints(rank: int, world: int, directory: str) -> dict[str, Any]:
                     opt.step()
                     opt.zero_grad()
             if save is not None:
+                save.parent.mkdir(parents=True, exist_ok=True)
                 written = par.save({"model": net, "optimizer": opt, "step": 2}, save)
                 found[f"{strategy}_written"] = str(written) if written is not None else None
             return flat_params(par, net)
 
     run("zero2", range(2), load=None, save=sharded)
     found["written"] = found.pop("zero2_written")
-    found["sharded"] = is_sharded_checkpoint(sharded.with_suffix(""))
-    found["files"] = sorted(f.name for f in sharded.with_suffix("").iterdir())
+    found["sharded"] = is_sharded_checkpoint(sharded)
+    found["files"] = sorted(f.name for f in sharded.iterdir())
     uninterrupted = run("zero2", range(4), load=None, save=None)
     for strategy in ("zero1", "ddp", "single", "zero2"):
         resumed = run(strategy, range(2, 4), load=sharded, save=None)
         found[f"{strategy}_bitwise"] = torch.equal(resumed, uninterrupted)
         found[f"{strategy}_rel"] = _relative(resumed, uninterrupted)
     run("ddp", range(2), load=None, save=whole)
-    found["from_ddp_file"] = whole.is_file() and not is_sharded_checkpoint(whole.with_suffix(""))
+    found["from_ddp_file"] = whole.is_file() and not is_sharded_checkpoint(whole)
     for strategy in ("zero1", "zero2"):  # the oracle: the run above that never stopped (zero at 2 ranks is ddp's)
         resumed = run(strategy, range(2, 4), load=whole, save=None)
         found[f"from_ddp_{strategy}_bitwise"] = torch.equal(resumed, uninterrupted)
@@ -395,6 +397,7 @@ def tied_checkpoint(rank: int, world: int, directory: str) -> dict[str, Any]:
     data = [(torch.randint(0, 64, (GLOBAL_BATCH,), generator=g), torch.randint(0, 64, (GLOBAL_BATCH,), generator=g))]
     data *= 4
     path = Path(directory) / "tied" / "epoch-0000-step-000002.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     def run(strategy: str, steps: range, load: bool, save: bool) -> torch.Tensor:
         with paratrain.Parallel(strategy, "cpu") as par:
@@ -414,7 +417,7 @@ def tied_checkpoint(rank: int, world: int, directory: str) -> dict[str, Any]:
             return torch.cat([flat_params(par, net), torch.tensor([float(tied)])])
 
     run("zero2", range(2), load=False, save=True)
-    index = load_checkpoint(path.with_suffix("") / "index.pt")
+    index = load_checkpoint(path / "index.pt")
     found["model_entries"] = sorted(e["path"][1] for e in index["tensors"] if e["path"][0] == "model")
     found["aliases"] = {
         e["path"][1]: [a[1] for a in e.get("aliases", [])] for e in index["tensors"] if e["path"][0] == "model"

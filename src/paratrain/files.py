@@ -42,6 +42,7 @@ __all__ = [
     "atomic_writer",
     "check_input_dir",
     "check_output",
+    "fsync_directory",
     "is_stdout",
     "remove_stale_temporaries",
     "resolve_output",
@@ -210,7 +211,7 @@ def atomic_writer(
                 os.fsync(stream.fileno())
         os.replace(temporary, target)
         if durable:
-            _fsync_directory(directory)
+            fsync_directory(directory)
     finally:
         # a no-op after the rename; after a failure (or Ctrl-C) it removes the partial file
         with contextlib.suppress(OSError):
@@ -248,7 +249,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (a no-op where the platform or file system cannot)."""
     # The rename is durable only once the directory entry is on disk; without this a power cut just after
     # os.replace can bring back the old file, or no file at all.
     if os.name != "posix":

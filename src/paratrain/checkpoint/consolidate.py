@@ -50,8 +50,8 @@ def find_checkpoint(source: str | Path) -> tuple[Path, str | None]:
         directory = path.with_suffix("")
         if path.suffix == ".pt" and is_sharded_checkpoint(directory):
             return directory, (
-                f"{path} is the name the sharded checkpoint {directory}{os.sep} was saved under (a sharded save "
-                f"writes a directory, without .pt): reading it"
+                f"{path} is the name the sharded checkpoint {directory}{os.sep} was saved under (an earlier paratrain "
+                f"wrote sharded checkpoints without .pt): reading it"
             )
         raise ConfigError(
             f"no checkpoint at {path}: nothing is there; give a checkpoint file, a sharded checkpoint's directory, "

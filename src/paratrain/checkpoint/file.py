@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from paratrain.checkpoint.location import is_sharded_checkpoint, publish
 from paratrain.checkpoint.mapped import load_mapped
 from paratrain.checkpoint.state_dicts import describe_keys
 from paratrain.errors import CheckpointError, ConfigError
@@ -116,6 +117,8 @@ def save_checkpoint(state: Mapping[str, Any], directory: str | Path, name: str) 
     the temporary file is removed. ``{"format": FORMAT, "format_version": FORMAT_VERSION}`` is added to the
     dict that is written, and :func:`load_checkpoint` checks and removes it again.
 
+    A sharded checkpoint at ``directory/name`` is replaced by the file (:func:`paratrain.checkpoint.location.publish`).
+
     Raises:
         ConfigError: ``name`` is not a plain file name, or ``state`` is not a mapping, uses a reserved key, or
             holds a value that ``torch.load(weights_only=True)`` would refuse (checked before anything is written).
@@ -139,10 +142,17 @@ def save_checkpoint(state: Mapping[str, Any], directory: str | Path, name: str) 
     directory = Path(directory)
     final = directory / name
     payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "digest": state_digest(state), **state}
+    # over a sharded checkpoint of the same path: written beside it, then published in its place (location.py)
+    over_directory = is_sharded_checkpoint(final)
+    written = directory / f".{name}.file" if over_directory else final
     try:
-        with atomic_writer(final, "wb", durable=True) as file:
+        with atomic_writer(written, "wb", durable=True) as file:
             torch.save(payload, file)
+        if over_directory:
+            publish(written, final)
     except Exception as err:
+        if over_directory:
+            written.unlink(missing_ok=True)
         # torch's zip writer reports a failed write as "enforce fail at inline_container.cc", with the operating
         # system's reason (disk full, file too large) only in the exception it replaced
         reason = _os_error_in(err)
@@ -280,9 +290,9 @@ def _damaged(path: Path) -> str:
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """The checkpoints in ``directory``, oldest to newest by the ``(epoch, step)`` in their names.
 
-    Only names made by :func:`checkpoint_name` count: files, and sharded checkpoints (directories of that name
-    without ``.pt``, holding an ``index.pt``); temporary files and anything else are ignored. A directory that does
-    not exist yet holds no checkpoints.
+    Only names made by :func:`checkpoint_name` count: files, and sharded checkpoints (directories of that name,
+    holding an ``index.pt``; an earlier paratrain named them without ``.pt``); temporary files and anything else are
+    ignored. A directory that does not exist yet holds no checkpoints.
     """
     directory = Path(directory)
     if not directory.exists():
@@ -292,8 +302,7 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     found = []
     for entry in directory.iterdir():
         match = _NAME_PATTERN.fullmatch(entry.name)
-        sharded = match is not None and not match[3] and (entry / "index.pt").is_file()
-        if match and ((match[3] and entry.is_file()) or sharded):
+        if match and ((match[3] and entry.is_file()) or is_sharded_checkpoint(entry)):
             found.append(((int(match[1]), int(match[2]), entry.name), entry))
     return [entry for _, entry in sorted(found)]
 

@@ -28,7 +28,6 @@ mid-save leaves the previous checkpoint as it was, and a directory that is there
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -39,8 +38,9 @@ from typing import Any
 import torch
 
 from paratrain.checkpoint.file import _first_line, _os_error_in, load_checkpoint, save_checkpoint, state_digest
+from paratrain.checkpoint.location import INDEX, is_sharded_checkpoint, publish
 from paratrain.errors import CheckpointError, ConfigError
-from paratrain.files import atomic_writer
+from paratrain.files import atomic_writer, fsync_directory
 
 __all__ = [
     "INDEX",
@@ -57,7 +57,6 @@ __all__ = [
     "verify_sharded",
 ]
 
-INDEX = "index.pt"
 LAYOUT = "paratrain-sharded"
 # 2: a tensor may have aliases (tied weights); a checkpoint without any is written as 1, which older readers read
 LAYOUT_VERSION = 2
@@ -317,37 +316,12 @@ def _insert_slot(tree: Any, path: Path_) -> None:
 
 
 def _publish(partial: Path, final: Path) -> None:
-    """Rename the finished checkpoint into place (over one of the same name), durably."""
-    _fsync(partial)
-    replaced = final.parent / f".{final.name}.replaced"
-    if final.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(final, replaced)
-    os.replace(partial, final)
-    _fsync(final.parent)
-    shutil.rmtree(replaced, ignore_errors=True)
-
-
-def _fsync(directory: Path) -> None:
-    if os.name != "posix":
-        return
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on a directory: the files themselves are synced
-    finally:
-        os.close(fd)
+    """Rename the finished checkpoint into place (over what stood at ``final``, a file or a directory), durably."""
+    fsync_directory(partial)
+    publish(partial, final)
 
 
 # -- reading -----------------------------------------------------------------------------------------------------
-
-
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / INDEX).is_file()
 
 
 class _Reader:

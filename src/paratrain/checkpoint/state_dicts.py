@@ -71,14 +71,14 @@ def check_compatible(
         )
     for key, want in expected.items():
         got = found[key]
-        if isinstance(want, torch.Tensor) != isinstance(got, torch.Tensor):
+        if _tensor_like(want) != _tensor_like(got):
             raise CheckpointError(
                 f"{what} entry {key!r} is a {type(got).__name__} in the checkpoint but a {type(want).__name__} "
                 f"in this {what}. {_DIFFERENT_MODEL_HINT}"
             )
-        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+        if not _tensor_like(want):
             continue
-        if want.shape != got.shape:
+        if tuple(want.shape) != tuple(got.shape):
             raise CheckpointError(
                 f"{what} entry {key!r} has shape {tuple(got.shape)} in the checkpoint but {tuple(want.shape)} "
                 f"in this {what}. {_DIFFERENT_MODEL_HINT}"
@@ -88,6 +88,13 @@ def check_compatible(
                 f"{what} entry {key!r} has dtype {got.dtype} in the checkpoint but {want.dtype} in this {what}. "
                 f"{_DIFFERENT_MODEL_HINT}"
             )
+
+
+def _tensor_like(value: Any) -> bool:
+    """A tensor, or a tensor a checkpoint reads on demand (its shape and dtype known, its values not read yet)."""
+    return isinstance(value, torch.Tensor) or (
+        hasattr(value, "shape") and isinstance(getattr(value, "dtype", None), torch.dtype)
+    )
 
 
 def describe_keys(keys: list[Any], limit: int = 5) -> str:

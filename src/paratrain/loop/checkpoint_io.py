@@ -1,13 +1,16 @@
 """``Parallel.save`` and ``Parallel.load``: a training state through its strategy, as one file or sharded.
 
-    save_state(strategy, {"model": model, "optimizer": optimizer, "step": 10}, "runs/a/step-10.pt")
-    rest = load_state(strategy, "runs/a/step-10.pt", into={"optimizer": optimizer})
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 10}
+    save_state(strategy, state, "runs/a/step-10.pt")
+    rest = load_state(strategy, "runs/a/step-10.pt", into=state)   # objects restored in place, state["step"] set
 
 Prepared models and optimizers in a state are saved as the strategy holds them (:meth:`Strategy.model_state`,
 :meth:`Strategy.optimizer_state`): whole state dicts, written by the main process into one file
 (:mod:`paratrain.checkpoint.file`), or each process's slices under the sharded strategies, written by every process
 into a directory (:mod:`paratrain.checkpoint.sharded`). Both hold the state a single process would save, so either
-loads under any strategy and world size.
+loads under any strategy and world size, and both live at exactly the path given (:mod:`paratrain.checkpoint.location`:
+a save replaces what stood there in either form). Any other object with ``state_dict`` and ``load_state_dict`` (an
+LR scheduler, a gradient scaler, a sampler, the user's own) is saved as its state dict and loaded back in place.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.file import load_checkpoint, save_checkpoint
-from paratrain.checkpoint.sharded import is_sharded_checkpoint, materialize, open_sharded, save_sharded
+from paratrain.checkpoint.location import check_target, locate
+from paratrain.checkpoint.sharded import materialize, open_sharded, save_sharded
 from paratrain.comm.meeting import Meeting
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.strategies import Strategy
@@ -39,21 +43,24 @@ def save_state(strategy: Strategy, state: dict[str, Any], path: str | Path) -> P
     zero3) needs every process: each writes its own. A process that calls it while another went on without
     calling it is told so as soon as that one launches its next collective (:mod:`paratrain.comm.meeting`).
     """
-    target = Path(path)
     for value in state.values():
         _refuse_a_shard(value)
     meeting = strategy.meeting
-    if strategy.shards_checkpoints and any(isinstance(v, nn.Module | torch.optim.Optimizer) for v in state.values()):
+    sharded = strategy.shards_checkpoints and any(
+        isinstance(v, nn.Module | torch.optim.Optimizer) for v in state.values()
+    )
+    # where only the main process writes, only it checks (another node may not see the directory)
+    target = check_target(path) if sharded or strategy.is_main else Path(path)
+    if sharded:
         agree = None
         if meeting is not None:  # before any collective: a rank that went on is named, and nothing is half-written
             meeting.attend("sharded-save", range(strategy.world_size), "par.save()", lambda g: _every_rank(strategy, g))
             agree = _agreement(strategy, meeting)
         converted = {key: _state_of(strategy, value) for key, value in state.items()}
-        name = target.name.removesuffix(".pt")
         directory = save_sharded(
             converted,
             target.parent,
-            name,
+            target.name,
             rank=strategy.rank,
             world_size=strategy.world_size,
             barrier=strategy.barrier,
@@ -127,7 +134,14 @@ def _state_of(strategy: Strategy, value: Any) -> Any:
         return strategy.model_state(value)
     if isinstance(value, torch.optim.Optimizer):
         return strategy.optimizer_state(value)
+    if _stateful(value):
+        return value.state_dict()
     return value
+
+
+def _stateful(value: Any) -> bool:
+    """An object a checkpoint holds by its state dict (an LR scheduler, a GradScaler, a sampler, the user's own)."""
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def _refuse_a_shard(value: Any) -> None:
@@ -140,27 +154,51 @@ def _refuse_a_shard(value: Any) -> None:
 
 
 def load_state(strategy: Strategy, path: str | Path, into: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Read a state written by :func:`save_state` onto the strategy's device, loading ``into``'s objects in place."""
+    """Read a state written by :func:`save_state` onto the strategy's device; what ``into`` names is restored there.
+
+    For each key of ``into``: a prepared model or optimizer is loaded in place through the strategy (an optimizer
+    under a sharded strategy reads only its shard's slices), any other object with ``load_state_dict`` loads its
+    saved state dict, and a plain value is replaced in ``into`` by the saved one. Returns the entries ``into`` did
+    not name.
+
+    Raises:
+        CheckpointError: nothing at ``path`` (or two checkpoints there), a damaged checkpoint, a key of ``into``
+            the checkpoint lacks, or a saved state that does not fit its object (keys, shapes), before it is loaded.
+    """
     device = strategy.device
-    source = Path(path)
-    if not source.exists() and is_sharded_checkpoint(source.with_suffix("")):
-        source = source.with_suffix("")  # the path save_state was given: it wrote the directory without .pt
-    sharded = is_sharded_checkpoint(source)
-    if not sharded and not into:
+    found = locate(path)
+    source = found.path
+    if not found.sharded and not into:
         return load_checkpoint(source, map_location=device)
-    state = open_sharded(source) if sharded else load_checkpoint(source)
-    for key, obj in (into or {}).items():
-        if key not in state:
-            raise CheckpointError(f"checkpoint {source} has no {key!r} entry to load into the {type(obj).__name__}")
+    state = open_sharded(source) if found.sharded else load_checkpoint(source)
+    into = into if into is not None else {}
+    missing = [key for key in into if key not in state]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {source} has no {', '.join(map(repr, missing))} entry to load into; it holds "
+            f"{', '.join(map(repr, state))}"
+        )
+    for key, obj in list(into.items()):
         value = state.pop(key)
-        if isinstance(obj, torch.optim.Optimizer):
-            strategy.load_optimizer_state(obj, value)
-        elif isinstance(obj, nn.Module):
-            strategy.load_model_state(obj, value)
-        else:
-            obj.load_state_dict(materialize(value))
-    rest: dict[str, Any] = materialize(state)
-    if device.type == "cpu":
-        return rest
-    moved: dict[str, Any] = map_tensors(lambda t: t.to(device), rest)
-    return moved
+        try:
+            if isinstance(obj, torch.optim.Optimizer):
+                strategy.load_optimizer_state(obj, value)
+            elif isinstance(obj, nn.Module):
+                strategy.load_model_state(obj, value)
+            elif _stateful(obj):
+                obj.load_state_dict(_on(device, materialize(value)))
+            else:
+                into[key] = _on(device, materialize(value))
+        except CheckpointError as exc:
+            raise CheckpointError(f"checkpoint {source}, entry {key!r}: {exc}") from exc
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"checkpoint {source}: its {key!r} entry does not fit the {type(obj).__name__} given for it "
+                f"({type(exc).__name__}: {exc}); load the checkpoint of the same model and objects"
+            ) from exc
+    rest: dict[str, Any] = _on(device, materialize(state))
+    return rest
+
+
+def _on(device: torch.device, value: Any) -> Any:
+    return value if device.type == "cpu" else map_tensors(lambda t: t.to(device), value)

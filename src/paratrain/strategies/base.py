@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.sharded import materialize
+from paratrain.checkpoint.state_dicts import check_compatible
 from paratrain.comm.meeting import Meeting
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import ConfigError
@@ -116,8 +117,14 @@ class Strategy(ABC):
         return self.unwrap(model).state_dict()
 
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
-        """Load a checkpoint's model state, written under any strategy and world size (zero3: only its shards)."""
-        self.unwrap(model).load_state_dict(materialize(state))
+        """Load a checkpoint's model state, written under any strategy and world size (zero3: only its shards).
+
+        Raises:
+            CheckpointError: keys, shapes or dtypes that do not fit the model (checked before anything is written).
+        """
+        module = self.unwrap(model)
+        check_compatible(module.state_dict(), state)
+        module.load_state_dict(materialize(state))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """What a checkpoint holds of ``optimizer``: torch's state dict, indexed as the user's optimizer."""

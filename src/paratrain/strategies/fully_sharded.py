@@ -273,6 +273,13 @@ class Zero3Strategy(ShardedStrategy):
         key_of: dict[int, str] = {}
         for key, p in module.named_parameters(remove_duplicate=False):
             key_of.setdefault(id(p), key)  # a tied parameter: its first name (every name holds the same values)
+        for key, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers()):
+            shape = getattr(state.get(key), "shape", None)
+            if shape is not None and tuple(shape) != tuple(t.shape):  # before any shard is written
+                raise CheckpointError(
+                    f"the checkpoint's {key} has shape {tuple(shape)}; this model's is {tuple(t.shape)}: build the "
+                    f"same model as the run that saved it"
+                )
         with torch.no_grad():
             for piece in wrapper.all_pieces():
                 key = key_of[id(piece.param)]
