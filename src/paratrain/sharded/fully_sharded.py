@@ -48,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from paratrain.comm.ops import GroupOps, serving_backend
 from paratrain.comm.process_groups import to_seconds
+from paratrain.compiled import compiled_inner, without_compiled
 from paratrain.ddp.setup import agree_at_start_up
 from paratrain.diagnostics.stacks import UserLine
 from paratrain.errors import ConfigError, DistributedError
@@ -111,6 +112,11 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
             )
         if prefetch < 0:
             raise ConfigError(f"prefetch counts units gathered ahead: 0 or more; found {prefetch}")
+        # a model compiled before prepare: the units, hooks and state dict are the user's module's inside torch's
+        # compiled wrapper, and the forward runs through that wrapper (our hooks run eagerly in it)
+        compiled = module if compiled_inner(module) is not None else None
+        module = without_compiled(module)
+        self._run = compiled.__call__ if compiled is not None else None
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.process_group)
@@ -238,7 +244,8 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
     # -- the step ---------------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.module(*inputs, **kwargs)
+        run = self._run if self._run is not None else self.module
+        return run(*inputs, **kwargs)
 
     def _start_forward(self) -> None:
         """The root's forward begins: buffers from rank 0 (DDP's rule), and a training forward's backward state."""
@@ -637,63 +644,75 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
 
 
 # -- hooks: module-level functions holding the wrapper weakly (the user's modules outlive nothing of ours) -------
+# Each runs eagerly under torch.compile (FSDP2's rule: collectives, storage resizes and .data swaps stay out of the
+# user's graph): dynamo breaks the graph where it meets one.
 
 Ref = weakref.ref[FullyShardedDataParallel]
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _root_pre_forward(ref: Ref, module: nn.Module, args: tuple[Any, ...]) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper._start_forward()
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _root_post_forward(ref: Ref, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper._end_forward()
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _pre_forward(ref: Ref, unit: ShardedUnit, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     wrapper = ref()
     return wrapper._pre_forward(unit, args, kwargs) if wrapper is not None else None
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _post_forward(ref: Ref, unit: ShardedUnit, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper._post_forward(unit, output)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _pre_backward(ref: Ref, unit: ShardedUnit, grad: torch.Tensor) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper._pre_backward(unit)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _on_grad(ref: Ref, unit: ShardedUnit, i: int, param: torch.Tensor) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper._on_grad(unit, i)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _gathered_state(ref: Ref, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     wrapper = ref()
     if wrapper is not None and not wrapper._sharded_state:
         wrapper.gathered_state(state, prefix)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _before_load(ref: Ref, module: nn.Module, *args: Any) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper.gather_all()
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _after_load(ref: Ref, module: nn.Module, incompatible: Any) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper.scatter_all()
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _inputs_done(ref: Ref, unit: ShardedUnit, grads: Sequence[torch.Tensor | None]) -> None:
     wrapper = ref()
     if wrapper is not None:

@@ -19,6 +19,7 @@ from torch import nn
 from paratrain.checkpoint.sharded import materialize
 from paratrain.checkpoint.state_dicts import check_compatible
 from paratrain.comm.meeting import Meeting
+from paratrain.compiled import without_compiled
 from paratrain.environment import ClusterEnvironment
 from paratrain.errors import ConfigError
 
@@ -78,7 +79,11 @@ class Strategy(ABC):
         """
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Move ``model`` to :attr:`device` and wrap it for this strategy; the strategy remembers what it wrapped."""
+        """Move ``model`` to :attr:`device` and wrap it for this strategy; the strategy remembers what it wrapped.
+
+        A model compiled before ``prepare`` (``torch.compile(model)``) is wrapped as it is: the wrapper's own work
+        runs eagerly around the compiled model (:meth:`unwrap` gives the user's module inside).
+        """
         wrapped = self._wrap(model)
         self._wrapped[wrapped] = model
         return wrapped
@@ -91,9 +96,12 @@ class Strategy(ABC):
         """The user's model inside what :meth:`wrap_model` put around it; any other model as it is.
 
         Known from what this strategy wrapped, never guessed from attribute names: a user's model with a
-        submodule called ``module`` is returned whole.
+        submodule called ``module`` is returned whole. ``torch.compile``'s wrapper, around the prepared model or
+        around the user's model before ``prepare``, is seen through (:mod:`paratrain.compiled`): the module returned
+        is the user's own, its state dict without ``_orig_mod.``.
         """
-        return self._wrapped.get(model, model)
+        plain = without_compiled(model)
+        return without_compiled(self._wrapped.get(plain, plain))
 
     @contextmanager
     def full_weights(self, model: nn.Module) -> Iterator[nn.Module]:
@@ -101,8 +109,9 @@ class Strategy(ABC):
         yield self.unwrap(model)
 
     def prepared(self, model: nn.Module) -> bool:
-        """True for a model :meth:`wrap_model` returned (or the user's model inside it)."""
-        return model in self._wrapped or any(model is inner for inner in self._wrapped.values())
+        """True for a model :meth:`wrap_model` returned (or the user's model inside it), compiled or not."""
+        plain = without_compiled(model)
+        return plain in self._wrapped or any(plain is without_compiled(inner) for inner in self._wrapped.values())
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer a loop steps: ``optimizer`` itself, or under a sharded strategy one over this rank's shard."""

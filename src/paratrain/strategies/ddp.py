@@ -21,6 +21,7 @@ from paratrain.comm.collectives import DEFAULT_TIMEOUT_S, CollectiveMonitor
 from paratrain.comm.meeting import Meeting
 from paratrain.comm.ops import serving_backend
 from paratrain.comm.process_groups import default_store, group_sequence
+from paratrain.compiled import without_compiled
 from paratrain.ddp.distributed import DistributedDataParallel
 from paratrain.ddp.options import DDPOptions, Refusal, refuse_options
 from paratrain.diagnostics.flight_recorder import small_buffer_unless_set
@@ -321,7 +322,8 @@ class DistributedStrategy(Strategy):
     @contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         self.check_prepared(model, "no_sync()")
-        wrapper = next((w for w in self._ddp if w is model or w.module is model), None)
+        plain = without_compiled(model)
+        wrapper = next((w for w in self._ddp if plain in (w, without_compiled(w.module))), None)
         if wrapper is None:
             yield
             return

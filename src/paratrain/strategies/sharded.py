@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.sharded import materialize
+from paratrain.compiled import without_compiled
 from paratrain.errors import ConfigError
 from paratrain.sharded.optimizer import ShardedOptimizer, shard_optimizer
 from paratrain.strategies.ddp import DistributedStrategy
@@ -41,7 +42,8 @@ class ShardedStrategy(DistributedStrategy):
 
     def wrapper_of(self, model: nn.Module, what: str) -> Any:
         """The wrapper this strategy put around ``model`` (given as prepared, or as the user's module)."""
-        found = next((w for w in self.wrappers() if w is model or w.module is model), None)
+        plain = without_compiled(model)  # torch.compile's wrapper around the prepared model, or inside it
+        found = next((w for w in self.wrappers() if plain in (w, without_compiled(w.module))), None)
         if found is None:
             raise ConfigError(
                 f"{what} under {self.name} takes the model par.prepare() returned (or the module inside it), whose "
