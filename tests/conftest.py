@@ -169,15 +169,21 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     _unit_test.clear()
 
 
-@pytest.fixture(scope="module")
-def group():
-    """A one-rank gloo process group in this process (a HashStore: no port, no other process), for a module."""
+def one_rank_group(backend: str = "gloo") -> Iterator[object]:
+    """A one-rank process group of ``backend`` in this process (a HashStore: no port, no other process), for the
+    length of a fixture."""
     import torch.distributed as dist
 
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo process group in this process, for a module."""
+    yield from one_rank_group()
 
 
 @pytest.fixture

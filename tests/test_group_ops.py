@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import one_rank_group
 from paratrain.comm.collectives import CollectiveMonitor
 from paratrain.comm.ops import GroupOps, serving_backend
 from paratrain.errors import DistributedError
@@ -16,10 +17,7 @@ from paratrain.errors import DistributedError
 @pytest.fixture(scope="module")
 def per_device_group():
     """A one-rank group whose backend string names one backend per device type, as a mixed group does."""
-    assert not dist.is_initialized()
-    dist.init_process_group("cpu:gloo,cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    yield from one_rank_group("cpu:gloo,cuda:gloo")
 
 
 def test_each_device_type_is_served_by_its_own_backend(per_device_group):

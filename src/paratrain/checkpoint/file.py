@@ -57,7 +57,7 @@ FORMAT = "paratrain-checkpoint"
 FORMAT_VERSION = 2  # 2: a digest of the state is written with it and checked on load
 
 _MARKER_KEYS = ("format", "format_version", "digest")
-# a file, or a sharded checkpoint's directory (paratrain.checkpoint.sharded): the same name without .pt
+# a file, or a sharded checkpoint's directory of the same name (an earlier paratrain's: without .pt)
 _NAME_PATTERN = re.compile(r"epoch-(\d+)-step-(\d+)(\.pt)?")
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save has written zip archives since torch 1.6
 

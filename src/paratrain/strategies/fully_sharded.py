@@ -37,12 +37,15 @@ from paratrain.strategies.sharded import ShardedStrategy
 __all__ = ["Zero3Strategy"]
 
 
+def _went_on(gone: dict[int, str]) -> str:
+    return "; ".join(f"rank {rank} {how}" for rank, how in sorted(gone.items()))
+
+
 def _forward_everywhere(gone: dict[int, str]) -> str:
     """The refusal of a forward under no_grad that other ranks did not run (an evaluation on rank 0 only)."""
-    went_on = "; ".join(f"rank {rank} {how}" for rank, how in sorted(gone.items()))
     return (
-        f"a forward under torch.no_grad() that not every rank runs ({went_on} instead): under zero3 each unit's "
-        "weights are gathered from every rank for every forward, so an evaluation on one rank only would wait "
+        f"a forward under torch.no_grad() that not every rank runs ({_went_on(gone)} instead): under zero3 each "
+        "unit's weights are gathered from every rank for every forward, so an evaluation on one rank only would wait "
         "for the others forever. Evaluate on every rank (as nanoGPT's estimate_loss does), or take "
         "model.state_dict() on every rank and evaluate a plain copy of the model on the main process"
     )
@@ -50,12 +53,11 @@ def _forward_everywhere(gone: dict[int, str]) -> str:
 
 def _gather_everywhere(what: str, gone: dict[int, str]) -> str:
     """The refusal of a gathering of the weights that not every rank joins (``if rank == 0: model.state_dict()``)."""
-    went_on = "; ".join(f"rank {rank} {how}" for rank, how in sorted(gone.items()))
     return (
-        f"{what} that not every rank calls ({went_on} instead): under zero3 it gathers every unit's weights from "
-        "every rank, so every rank calls it at the same point. Call it on every rank and let rank 0 alone write what "
-        "it gives (state = model.state_dict(); if par.is_main: torch.save(state, path)), or save a checkpoint with "
-        "par.save(...) on every rank"
+        f"{what} that not every rank calls ({_went_on(gone)} instead): under zero3 it gathers every unit's weights "
+        "from every rank, so every rank calls it at the same point. Call it on every rank and let rank 0 alone write "
+        "what it gives (state = model.state_dict(); if par.is_main: torch.save(state, path)), or save a checkpoint "
+        "with par.save(...) on every rank"
     )
 
 
