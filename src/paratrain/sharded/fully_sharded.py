@@ -644,8 +644,9 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
 
 
 # -- hooks: module-level functions holding the wrapper weakly (the user's modules outlive nothing of ours) -------
-# Each runs eagerly under torch.compile (FSDP2's rule: collectives, storage resizes and .data swaps stay out of the
-# user's graph): dynamo breaks the graph where it meets one.
+# The forward hooks run eagerly under torch.compile (FSDP2's rule: collectives, storage resizes and .data swaps stay
+# out of the user's graph): dynamo breaks the graph where it meets one. The backward and state-dict hooks are never
+# traced (autograd and state_dict run them eagerly), so they carry no wrapper on the backward's hot path.
 
 Ref = weakref.ref[FullyShardedDataParallel]
 
@@ -677,42 +678,36 @@ def _post_forward(ref: Ref, unit: ShardedUnit, module: nn.Module, args: tuple[An
         wrapper._post_forward(unit, output)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _pre_backward(ref: Ref, unit: ShardedUnit, grad: torch.Tensor) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper._pre_backward(unit)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _on_grad(ref: Ref, unit: ShardedUnit, i: int, param: torch.Tensor) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper._on_grad(unit, i)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _gathered_state(ref: Ref, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     wrapper = ref()
     if wrapper is not None and not wrapper._sharded_state:
         wrapper.gathered_state(state, prefix)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _before_load(ref: Ref, module: nn.Module, *args: Any) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper.gather_all()
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _after_load(ref: Ref, module: nn.Module, incompatible: Any) -> None:
     wrapper = ref()
     if wrapper is not None:
         wrapper.scatter_all()
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # eager, a graph break where dynamo meets it
 def _inputs_done(ref: Ref, unit: ShardedUnit, grads: Sequence[torch.Tensor | None]) -> None:
     wrapper = ref()
     if wrapper is not None:
