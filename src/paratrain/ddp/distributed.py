@@ -31,6 +31,7 @@ from paratrain.comm.ops import serving_backend
 from paratrain.comm.process_groups import group_sequence, to_seconds
 from paratrain.ddp.bucket_collective import AllReduce, CollectiveFactory
 from paratrain.ddp.comm_hooks import CommHook
+from paratrain.ddp.compiled_backward import cut_at_buckets, restore, tell_if_not_cut
 from paratrain.ddp.join import Join
 from paratrain.ddp.reducer import Reducer
 from paratrain.ddp.setup import (
@@ -308,7 +309,21 @@ class DistributedDataParallel(UserKeys, nn.Module):
 
     # -- the step ---------------------------------------------------------------------------------------------
 
+    # dynamo skips this frame (torch's rule for its DDP's forward): the bookkeeping around the user's module runs
+    # eagerly, outside the user's graph, and the module's own forward is what a compiled wrapper traces
+    @torch.compiler.disable(recursive=False)  # type: ignore[untyped-decorator]
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs, sync = self._before_forward(inputs, kwargs)
+        previous = cut_at_buckets(self._bucket_cap_bytes)  # a compiled backward in pieces (compiled_backward.py)
+        try:
+            outputs = self.module(*inputs, **kwargs)
+        finally:
+            restore(previous)
+        self._after_forward(outputs, sync)
+        return outputs
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _before_forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool]:
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
         authority = self._join.announce(sync) if self._join is not None else 0
@@ -316,17 +331,22 @@ class DistributedDataParallel(UserKeys, nn.Module):
             self._broadcast(self._synced(parameters=False, buffers=True), "buffer broadcast", src=authority)
         if grad:  # a forward without autograd (evaluation mid-step) leaves the pending backward's state alone
             self.reducer.prepare(sync)
+            if not self.__dict__.get("_compile_told", False):  # the first training forward
+                self._compile_told = True
+                tell_if_not_cut(self.module)
         if self._input_device is not None:
             device = self._input_device
             inputs, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (inputs, kwargs))
-        outputs = self.module(*inputs, **kwargs)
+        return inputs, kwargs, sync
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _after_forward(self, outputs: Any, sync: bool) -> None:
         if sync:
             self.reducer.watch_outputs(outputs)
             if self.find_unused_parameters:
                 self.reducer.mark_unreachable(outputs)
         # torch's rule: the next forward broadcasts buffers only if this one was a synchronising training forward
         self.require_forward_param_sync = sync
-        return outputs
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
