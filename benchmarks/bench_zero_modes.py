@@ -178,37 +178,49 @@ def unit_names(net: nn.Module) -> list[str]:
     return [u.name for u in plan_units(net) if u.name]
 
 
+COMPILED = "+compile"  # a mode's name with this suffix: the model torch.compile'd (inductor) before it is wrapped
+
+
 def build_mode(name: str, model: str, width: int = 2048, depth: int = 3) -> Mode:
-    """``name``'s model and fp32 AdamW, inside an initialised gloo group; raises what a mode that cannot run raises."""
+    """``name``'s model and fp32 AdamW, inside an initialised gloo group; raises what a mode that cannot run raises.
+
+    ``NAME+compile``: the same mode with ``torch.compile(model)`` before it is wrapped (nanoGPT's order)."""
+    base, compiled = name.removesuffix(COMPILED), name.endswith(COMPILED)
     net = build_model(model, width, depth)
-    wrapped: nn.Module = net
-    full = _own_state(net)
-    if name == "local":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
-    elif name == "torch-ddp":
-        wrapped = nn.parallel.DistributedDataParallel(net)
-        opt = torch.optim.AdamW(net.parameters(), lr=LR)
-    elif name.startswith("fsdp2"):
+    if base.startswith("fsdp2"):
+        if compiled:
+            raise ValueError("fsdp2 with a model compiled before fully_shard is not a mode here")
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-        reshard = name == "fsdp2"
+        reshard = base == "fsdp2"
         for unit in unit_names(net):
             fully_shard(net.get_submodule(unit), mesh=mesh, reshard_after_forward=reshard)
         fully_shard(net, mesh=mesh, reshard_after_forward=reshard)
+        return Mode(name, net, net, torch.optim.AdamW(net.parameters(), lr=LR), _fsdp2_state(net))
+    model_given: nn.Module = torch.compile(net) if compiled else net  # type: ignore[assignment]
+    wrapped, opt = _wrap(base, model_given, net)
+    return Mode(name, wrapped, net, opt, _own_state(net))
+
+
+def _wrap(name: str, model: nn.Module, net: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``model`` (``net``, or torch's compiled wrapper around it) in mode ``name``'s wrapper, and its optimizer."""
+    wrapped: nn.Module = model
+    if name == "local":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
+    elif name == "torch-ddp":
+        wrapped = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(net.parameters(), lr=LR)
-        full = _fsdp2_state(net)
     elif name == "ddp":
-        wrapped = DistributedDataParallel(net)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+        wrapped = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=LR)
     elif name in ("zero1", "zero2"):
-        wrapped = ZeroDataParallel(net, stage=int(name[-1]))
-        opt = shard_optimizer(torch.optim.AdamW(wrapped.parameters(), lr=LR), wrapped)  # type: ignore[arg-type]
+        zero = ZeroDataParallel(model, stage=int(name[-1]))
+        wrapped, opt = zero, shard_optimizer(torch.optim.AdamW(net.parameters(), lr=LR), zero)
     elif name.startswith("zero3"):
-        sharded = FullyShardedDataParallel(net, reshard_after_forward=name == "zero3")
-        wrapped = sharded
-        opt = shard_optimizer(torch.optim.AdamW(net.parameters(), lr=LR), sharded)
+        sharded = FullyShardedDataParallel(model, reshard_after_forward=name == "zero3")
+        wrapped, opt = sharded, shard_optimizer(torch.optim.AdamW(net.parameters(), lr=LR), sharded)
     else:
         raise ValueError(f"unknown mode {name!r}; known: {', '.join(MODES)}")
-    return Mode(name, wrapped, net, opt, full)
+    return wrapped, opt

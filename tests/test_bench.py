@@ -248,3 +248,23 @@ def test_repeats_stop_once_they_agree_when_asked_to_settle():
     assert len(settled.repeat_step_seconds) == 2
     (every,) = time_configs(settings, parse_configs(["single"]))
     assert len(every.repeat_step_seconds) == 3 and every.timed_steps == 2
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_compile_quick_prints_every_strategy_eager_and_compiled_and_the_verdict(tmp_path):
+    """benchmarks/bench_compile.py --quick on a small MLP: inductor compiles each strategy's model (slow: a C++
+    build on a cold cache)."""
+    out = tmp_path / "compile.json"
+    result = _run_benchmark("bench_compile.py", "--quick", "--width", "256", "--depth", "2", "--out", str(out))
+    report = json.loads(out.read_text())
+    table = result.stdout.split("\nstrategy ", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    rows = {line.split()[0]: line.split() for line in table}
+    assert set(rows) == {"torch-ddp", "ddp", "zero1", "zero2", "zero3"}, result.stdout
+    for strategy, cells in rows.items():  # timed both ways, or skipped with the reason printed
+        for mode, cell in ((strategy, cells[1]), (f"{strategy}+compile", cells[2])):
+            if mode in report["skipped"]:
+                assert cell == "skipped" and f"{mode} skipped: " in result.stdout
+            else:
+                assert float(cell) > 0 and report["median_step_seconds"][mode] > 0
+    assert report["verdict"]["line"] in result.stdout and "torch's DDP compiled" in report["verdict"]["line"]

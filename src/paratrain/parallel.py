@@ -248,10 +248,14 @@ class Parallel:
             wrapped = self.strategy.wrap_model(obj)
             if isinstance(wrapped, UserKeys):  # its state_dict() has the user's keys, as the model's own
                 wrapped.user_keys = True
+            # the hooks run eagerly under torch.compile (a model compiled after prepare): our bookkeeping stays out
+            # of the user's graph, dynamo breaks it there instead of tracing into a loader's recording
             if self.world_size > 1:  # in one process every loss weighs 1: nothing to find out per forward
-                self._handles.append(wrapped.register_forward_pre_hook(self._bind_share, with_kwargs=True))
+                bind = torch.compiler.disable(self._bind_share)
+                self._handles.append(wrapped.register_forward_pre_hook(bind, with_kwargs=True))
             elif not self._forward_ran:  # one process: only the first forward is watched (backward's check)
-                self._first_forward.append(wrapped.register_forward_pre_hook(self._note_first_forward))
+                note = torch.compiler.disable(self._note_first_forward)
+                self._first_forward.append(wrapped.register_forward_pre_hook(note))
             self._handles += self.precision.attach(wrapped)
             return wrapped
         if isinstance(obj, torch.optim.Optimizer):
