@@ -26,6 +26,21 @@ def test_env_reports_versions_and_backends():
 
 
 @pytest.mark.processes
+def test_env_says_which_scheduler_started_the_process_and_what_it_read():
+    srun = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+            "SLURM_JOB_ID": "77", "SLURM_NODELIST": "n[01-02]"}  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    result = subprocess.run(cli_command("env"), env={**clean, **srun}, capture_output=True, text=True, timeout=60)
+    assert "started by     slurm: rank 1 of 2, local rank 1 of 2, node 0, rendezvous n01:10077" in result.stdout
+    assert "  SLURM_NODELIST=n[01-02]" in result.stdout
+    found = subprocess.run(cli_command("env", "--json"), env={**clean, **srun, "WORLD_SIZE": "4"},
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    scheduler = json.loads(found.stdout)["scheduler"]
+    assert found.returncode == 0 and scheduler["name"] == "error"  # a bug report still comes out
+    assert "SLURM_NTASKS=2 but WORLD_SIZE=4" in scheduler["error"]
+
+
+@pytest.mark.processes
 def test_demo_prints_the_seed_lines_for_three_cpu_replicas():
     result = _run("demo", "--devices", "cpu,cpu,cpu")
     assert result.returncode == 0, result.stderr

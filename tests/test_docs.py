@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,30 @@ def test_the_modules_and_files_a_page_names_exist(page):
         if not (ROOT / (f if not f.startswith("paratrain/") else f"src/{f}")).is_file()
     )
     assert (modules, files) == ([], []), f"{page.name} names modules {modules} and files {files} that do not exist"
+
+
+def _blocks(page: str, language: str) -> list[str]:
+    text = (ROOT / "docs" / page).read_text()
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
+
+
+@pytest.mark.processes  # bash -n
+def test_the_launcher_pages_sbatch_script_is_valid_bash_that_runs_paratrain_under_srun():
+    [script] = [b for b in _blocks("launcher.md", "bash") if "#SBATCH" in b]
+    assert (
+        script.startswith("#!/bin/bash\n") and "#SBATCH --nodes=" in script and "#SBATCH --ntasks-per-node=" in script
+    )
+    checked = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    assert "srun paratrain train" in script and "srun python train.py" in script
+
+
+def test_the_launcher_pages_pytorchjob_manifest_is_valid_yaml_with_a_master_and_workers_running_paratrain():
+    yaml = pytest.importorskip("yaml")
+    [manifest] = [yaml.safe_load(b) for b in _blocks("launcher.md", "yaml") if "PyTorchJob" in b]
+    assert manifest["kind"] == "PyTorchJob" and manifest["apiVersion"].startswith("kubeflow.org/")
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    assert set(replicas) == {"Master", "Worker"} and replicas["Master"]["replicas"] == 1
+    for spec in replicas.values():
+        [container] = spec["template"]["spec"]["containers"]
+        assert container["command"][:2] == ["paratrain", "train"]

@@ -52,6 +52,11 @@ def _init_process_group(env: ClusterEnvironment, backend: str, timeout: timedelt
     """
     count = _INITS[0]
     _INITS[0] += 1
+    if env.scheduler != "torchrun":  # srun, a PyTorchJob pod, mpirun: no launcher's store; rank 0 hosts one
+        dist.init_process_group(
+            backend, init_method=env.init_method, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
+        return
     fresh = env.restart_count or count
     if not fresh or not env.agent_store or env.master_addr is None or env.master_port is None:
         dist.init_process_group(backend, timeout=timeout)
@@ -113,8 +118,8 @@ class DistributedStrategy(Strategy):
             if not env.launched:
                 raise ConfigError(
                     f"strategy {self.name!r} runs one process per device, started by a launcher: "
-                    f"`paratrain launch --nproc-per-node N script.py` (or torchrun), or "
-                    f"`paratrain train --strategy {self.name} --nproc-per-node N`"
+                    f"`paratrain launch --nproc-per-node N script.py` (or torchrun, or a scheduler: srun, a "
+                    f"PyTorchJob, mpirun), or `paratrain train --strategy {self.name} --nproc-per-node N`"
                 )
             use_cuda = self._device_type == "cuda" or (self._device_type == "auto" and torch.cuda.is_available())
             if use_cuda:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.environment import ClusterEnvironment
+from paratrain.errors import ConfigError
 from paratrain.version import __version__
 
 __all__ = ["Accelerator", "EnvReport", "collect"]
@@ -38,6 +40,8 @@ class EnvReport:
     cpu_threads: int
     accelerators: list[Accelerator] = field(default_factory=list)
     backends: dict[str, bool] = field(default_factory=dict)
+    # what started this process (ClusterEnvironment.scheduler, or "error" with the reason) and what it read
+    scheduler: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,7 +65,36 @@ class EnvReport:
             lines.append("gpus           none visible (DataParallel can still use CPU replicas)")
         backends = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in self.backends.items())
         lines.append(f"distributed    {backends}")
+        lines += _render_scheduler(self.scheduler)
         return "\n".join(lines)
+
+
+def _render_scheduler(found: dict[str, Any]) -> list[str]:
+    name = found.get("name", "none")
+    if name == "none":
+        return ["started by     nothing (a single process; paratrain launch, torchrun, srun or mpirun start ranks)"]
+    if name == "error":
+        return [f"started by     unreadable: {found['error']}"]
+    place = (
+        f"rank {found['rank']} of {found['world_size']}, local rank {found['local_rank']} of "
+        f"{found['local_world_size']}, node {found['node_rank']}, rendezvous {found['master_addr']}:"
+        f"{found['master_port']}"
+    )
+    lines = [f"started by     {name}: {place}"]
+    lines += [f"  {variable}={value}" for variable, value in found["read"].items()]
+    return lines
+
+
+def _scheduler() -> dict[str, Any]:
+    """What started this process and what it read; a contradiction is reported, not raised (a bug report)."""
+    try:
+        env = ClusterEnvironment.detect()
+    except ConfigError as e:
+        return {"name": "error", "error": str(e)}
+    if not env.launched:
+        return {"name": "none"}
+    fields = ("rank", "world_size", "local_rank", "local_world_size", "node_rank", "master_addr", "master_port")
+    return {"name": env.scheduler, **{f: getattr(env, f) for f in fields}, "read": dict(env.read)}
 
 
 def _accelerators() -> list[Accelerator]:
@@ -97,4 +130,5 @@ def collect() -> EnvReport:
         cpu_threads=torch.get_num_threads(),
         accelerators=_accelerators(),
         backends=_backends(),
+        scheduler=_scheduler(),
     )
