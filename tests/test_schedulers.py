@@ -134,3 +134,19 @@ def test_paratrain_train_runs_under_srun_as_it_runs_under_torchrun(tmp_path):
     assert metrics["world_size"] == WORLD and metrics["strategy"] == "ddp"
     ours, theirs = (load_checkpoint(latest_checkpoint(tmp_path / d))["model"] for d in ("srun", "torchrun"))
     assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.processes
+def test_a_contradiction_ends_paratrain_train_with_exit_2_and_one_line_naming_both_values(tmp_path):
+    variables = {**_srun(1, 14_242), "WORLD_SIZE": "4"}  # an `export WORLD_SIZE=4` left in the batch script
+    done = subprocess.run(
+        [sys.executable, "-m", "paratrain", "train", "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt")],
+        env={**_clean(), **variables}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "paratrain train: error: slurm started this process with SLURM_NTASKS=2 but WORLD_SIZE=4, and no launcher "
+        "(torchrun) runs between them to make that true: unset WORLD_SIZE, or start the job with as many tasks as "
+        "you meant (SLURM_NTASKS) or through torchrun"
+    ]
+    assert not (tmp_path / "ckpt").exists()  # before any work started
