@@ -16,18 +16,13 @@ or under torch's DDP compiled step on the MLP. A mode that cannot run here is pr
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
 from bench_common import print_table, write_json
 from bench_zero_modes import COMPILED, add_model_arguments, default_batch
-from bench_zero_speed import worker
+from bench_zero_speed import run_modes
 
 STRATEGIES = ("torch-ddp", "ddp", "zero1", "zero2", "zero3")
 
@@ -57,12 +52,8 @@ def main() -> int:
     strategies = [s for s in STRATEGIES if s in args.strategies]
     args.modes = [m for s in strategies for m in (s, s + COMPILED)]
     world = 2
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
-        start = mp.start_processes  # type: ignore[attr-defined]
-        start(worker, args=(world, f"{tmp}/store", args, tmp), nprocs=world, start_method="spawn")
-        result = json.loads(Path(tmp, "rank0.json").read_text())
-    load_after = os.getloadavg()
+    result = run_modes(args, world, "bench-compile-")
+    load_before, load_after = result["load_average_before"], result["load_average_after"]
     blocks: dict[str, list[float]] = result["blocks"]
     skipped: dict[str, str] = result["skipped"]
     agreement: dict[str, dict[str, Any]] = result["agreement"]

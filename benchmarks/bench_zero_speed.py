@@ -160,6 +160,17 @@ def _verdicts(medians: dict[str, float], skipped: dict[str, str]) -> list[tuple[
     return lines
 
 
+def run_modes(args: argparse.Namespace, world: int, prefix: str) -> dict[str, Any]:
+    """``args.modes`` taking turns in ``world`` fresh processes (:func:`worker`): rank 0's blocks, skipped modes
+    and agreement, with the load average before and after."""
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        start = mp.start_processes  # type: ignore[attr-defined]
+        start(worker, args=(world, f"{tmp}/store", args, tmp), nprocs=world, start_method="spawn")
+        result: dict[str, Any] = json.loads(Path(tmp, "rank0.json").read_text())
+    return {**result, "load_average_before": load_before, "load_average_after": os.getloadavg()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser)
@@ -176,12 +187,8 @@ def main() -> int:
         args.repeats, args.block = 3, 2
     args.modes = [m for m in MODES if m in args.modes]
     world = 2
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench-zero-speed-") as tmp:
-        start = mp.start_processes  # type: ignore[attr-defined]
-        start(worker, args=(world, f"{tmp}/store", args, tmp), nprocs=world, start_method="spawn")
-        result = json.loads(Path(tmp, "rank0.json").read_text())
-    load_after = os.getloadavg()
+    result = run_modes(args, world, "bench-zero-speed-")
+    load_before, load_after = result["load_average_before"], result["load_average_after"]
     blocks: dict[str, list[float]] = result["blocks"]
     skipped: dict[str, str] = result["skipped"]
     agreement: dict[str, dict[str, Any]] = result["agreement"]
