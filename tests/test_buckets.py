@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -28,10 +30,36 @@ def test_reverse_order_first_bucket_small_then_up_to_the_cap():
     assert [b.offsets for b in buckets] == [(0, half), (0, half, 2 * half), (0,)]
 
 
-def test_no_bucket_exceeds_the_cap_unless_one_tensor_does():
+def test_a_bucket_closes_once_it_reaches_the_cap_so_it_may_pass_it_by_its_last_tensor():
     params = _params((10, torch.float32), (300_000, torch.float32), (20, torch.float32), (100, torch.float32))
     buckets = assign_buckets(params, cap_bytes=MB)  # the 300k tensor is 1.2 MB on its own
-    assert _table(buckets) == [((3, 2), 120, torch.float32), ((1,), 300_000, torch.float32), ((0,), 10, torch.float32)]
+    assert _table(buckets) == [((3, 2, 1), 300_120, torch.float32), ((0,), 10, torch.float32)]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_the_buckets_are_torchs(seed):
+    """torch's DDP rebuilds its buckets after the first step with this function, over the parameters in the order
+    their gradients became ready (reverse registration, for a model used in the order it was defined): ours put
+    the same parameters together. Only the launch order of the last, unfilled buckets of several dtypes may
+    differ (torch's follows its map of dtypes)."""
+    import torch.distributed as dist
+
+    rnd = random.Random(seed)
+    sizes = [1, 10, 1000, 70_000, 300_000, 1_000_000]
+    params = [
+        torch.empty(rnd.choice(sizes), dtype=rnd.choice([torch.float32, torch.float32, torch.float16]))
+        for _ in range(rnd.randint(1, 12))
+    ]
+    cap = rnd.choice([MB // 2, MB, 5 * MB // 2, 25 * MB])
+    reverse = list(range(len(params)))[::-1]
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        params[::-1], [min(FIRST_BUCKET_BYTES, cap), cap], [False] * len(params), reverse
+    )
+    ours = [list(b.indices) for b in assign_buckets(params, cap)]
+    if len({p.dtype for p in params}) == 1:
+        assert ours == theirs
+    else:
+        assert sorted(ours) == sorted(theirs)
 
 
 def test_one_dtype_per_bucket():
@@ -57,8 +85,8 @@ def test_defaults_match_25_mb_buckets_for_a_10m_parameter_mlp():
     shapes = [(2048 * 784,), (2048,), (2048 * 2048,), (2048,), (2048 * 2048,), (2048,), (10 * 2048,), (10,)]
     params = [torch.empty(s) for s in shapes]
     buckets = assign_buckets(params, cap_bytes=25 * MB)
-    assert all(b.nbytes <= 25 * MB for b in buckets)
-    assert buckets[0].indices == (7, 6, 5)  # last layer first: its gradient is ready first
+    # last layer first (its gradient is ready first), with the next layer's weight that fills the 1 MB first bucket
+    assert [b.indices for b in buckets] == [(7, 6, 5, 4), (3, 2, 1, 0)]
     assert sum(b.numel for b in buckets) == sum(p.numel() for p in params)
 
 

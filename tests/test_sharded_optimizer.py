@@ -32,8 +32,8 @@ def _groups(model: nn.Module) -> list[dict]:
 
 
 def _wrapped(group, stage: int) -> ZeroDataParallel:
-    # a cap of 8 KiB: several buckets, so the step runs bucket by bucket
-    return ZeroDataParallel(_model(), stage, bucket_cap_mb=8 / 1024, timeout=30)
+    # a cap of 1 KiB: three buckets, so the step runs bucket by bucket
+    return ZeroDataParallel(_model(), stage, bucket_cap_mb=1 / 1024, timeout=30)
 
 
 def _batches(n: int = 4):
@@ -136,7 +136,7 @@ def test_state_the_users_optimizer_already_holds_is_sliced_in(group):
     F.cross_entropy(model(x), y).backward()
     user.step()
     momentum = [user.state[p]["momentum_buffer"].clone() for p in model.parameters()]
-    wrapped = ZeroDataParallel(model, 1, bucket_cap_mb=8 / 1024, timeout=30)
+    wrapped = ZeroDataParallel(model, 1, bucket_cap_mb=1 / 1024, timeout=30)
     opt = shard_optimizer(user, wrapped)
     shard = opt._shard
     held = {
@@ -191,7 +191,7 @@ def test_what_the_zero_wrapper_refuses(group):
 
 def test_zero2_buckets_without_a_buffer_hold_an_empty_one_of_their_own_dtype_and_device(group):
     """Between backwards a zero2 bucket has no buffer: what stands in is its own, of its dtype and device."""
-    wrappers = [ZeroDataParallel(_model().double(), 2, bucket_cap_mb=8 / 1024, timeout=30) for _ in range(2)]
+    wrappers = [ZeroDataParallel(_model().double(), 2, bucket_cap_mb=1 / 1024, timeout=30) for _ in range(2)]
     x, y = _batches(1)[0]
     F.cross_entropy(wrappers[0](x.double()), y).backward()  # buffers taken and given back
     seen: set[int] = set()

@@ -586,8 +586,9 @@ def first_bucket_overlaps(rank: int, world: int) -> dict[str, int]:
     found = {}
     for budgeted in (True, False):
         torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 600))
-        model = ZeroDataParallel(net, 2)  # buckets: the last Linear (1.2 MB, its own first bucket), then the rest
+        # buckets: the last Linear, exactly 1 MiB (it closes the first bucket), then the rest (1.1 MiB)
+        net = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 511), nn.Tanh(), nn.Linear(511, 512))
+        model = ZeroDataParallel(net, 2)
         collective = model.reducer.collective
         assert isinstance(collective, ReduceScatter)
         if not budgeted:

@@ -3,7 +3,7 @@
 Gradients are averaged in flat buckets rather than one collective per parameter (too many small messages) or
 one for the whole model (no overlap with backward). Parameters are taken in reverse registration order, the
 order in which backward usually produces their gradients, so the first bucket fills early and its all-reduce
-overlaps with the rest of backward. That first bucket is small (about 1 MB) to start communication sooner.
+overlaps with the rest of backward. That first bucket is small (it closes at 1 MB) to start communication sooner.
 
     buckets = assign_buckets(list(model.parameters()), cap_bytes=25 * 2**20)
     buckets[0].indices        # positions in the parameter list, e.g. (7, 6) for the last layer's bias and weight
@@ -46,10 +46,13 @@ def _itemsize(dtype: torch.dtype) -> int:
 def assign_buckets(
     params: Sequence[torch.Tensor], cap_bytes: int, first_cap_bytes: int = FIRST_BUCKET_BYTES
 ) -> list[Bucket]:
-    """Group ``params`` into buckets of at most ``cap_bytes`` each (a single larger tensor gets its own).
+    """Group ``params`` into buckets that close as soon as they hold ``cap_bytes`` (torch's reducer's rule).
 
-    One dtype and device per bucket (an all-reduce needs one flat buffer of one type). Within each
-    (dtype, device) group the first bucket is capped at ``min(first_cap_bytes, cap_bytes)``. Buckets are
+    A bucket takes each next parameter and closes once it reaches its cap, so it may pass the cap by its last
+    tensor: the buckets torch's DDP builds, and the cuts dynamo makes in a compiled graph (which cuts at graph
+    nodes, a layer's weight and bias together: a bucket that closed before its cap would wait for the next piece
+    of a compiled backward). One dtype and device per bucket (an all-reduce needs one flat buffer of one type).
+    Within each (dtype, device) group the first bucket's cap is ``min(first_cap_bytes, cap_bytes)``. Buckets are
     numbered in the order they close while walking the parameters in reverse, which is the order every rank
     launches them in.
     """
@@ -72,8 +75,6 @@ def assign_buckets(
         p = params[i]
         key = (p.dtype, p.device)
         size = p.numel() * p.element_size()
-        if key in open_buckets and open_bytes[key] + size > limit(key):
-            close(key)
         open_buckets.setdefault(key, []).append(i)
         open_bytes[key] = open_bytes.get(key, 0) + size
         if open_bytes[key] >= limit(key):
