@@ -41,13 +41,19 @@ def time_call(
     return samples
 
 
-def sgd_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float = 0.01) -> Callable[[], None]:
-    """One training step on a fixed batch: zero_grad, forward, cross-entropy, backward, SGD step."""
+def sgd_step(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    lr: float = 0.01,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.nn.functional.cross_entropy,
+) -> Callable[[], None]:
+    """One training step on a fixed batch: zero_grad, forward, ``loss`` (cross-entropy), backward, SGD step."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss(model(x), y).backward()
         opt.step()
 
     return step

@@ -1,6 +1,7 @@
 """Does paratrain's DistributedDataParallel keep up with torch's, and do its buckets use the bandwidth?
 
     python benchmarks/bench_ddp.py                  # world size 2 over gloo on this machine, a 10M-parameter MLP
+    python benchmarks/bench_ddp.py --model gpt      # the same on a small GPT (3.7M parameters, 50 tensors)
     python benchmarks/bench_ddp.py --quick          # few repeats: a smoke run, not a measurement
     python benchmarks/bench_ddp.py --gpu            # world size 1 over nccl on cuda:0 against torch's DDP
 
@@ -85,11 +86,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     torch.set_num_threads(max(1, args.threads))
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))  # the parent's
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    base = mlp(args.width, args.depth).to(device)
+    from bench_zero_modes import build_model, loss_of, make_batch  # it imports this module's mlp
+
+    base = build_model(args.model, args.width, args.depth).to(device)
     params = sum(p.numel() for p in base.parameters())
-    g = torch.Generator().manual_seed(1 + rank)
-    x = torch.randn(args.batch, 784, generator=g).to(device)
-    y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
+    x, y = (t.to(device) for t in make_batch(args.model, args.batch, rank))
     ids = [device] if args.gpu else None
     modes: dict[str, nn.Module] = {
         "torch DDP": nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_ids=ids),
@@ -99,7 +100,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             copy.deepcopy(base), device_ids=ids, _hang_checks=False
         ),
     }
-    steps = {name: sgd_step(model, x, y) for name, model in modes.items()}
+    steps = {name: sgd_step(model, x, y, loss=loss_of) for name, model in modes.items()}
     samples: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(args.warmup):
         for step in steps.values():
@@ -169,7 +170,8 @@ def _ratios(result: dict[str, Any]) -> dict[str, float]:
 def report(results: list[dict[str, Any]], world: int, args: argparse.Namespace) -> dict[str, Any]:
     first = results[0]
     print(
-        f"\nStep time, world size {world}, {first['params'] / 1e6:.1f}M parameters, batch {args.batch} per rank, "
+        f"\nStep time, world size {world}, {args.model}, {first['params'] / 1e6:.1f}M parameters, batch {args.batch} "
+        f"per rank, "
         f"{args.threads} thread(s) per rank; {len(results)} invocations, each {args.repeats} lockstep steps and "
         f"{args.blocks} blocks of {args.block} free-running steps per mode\n"
     )
@@ -219,6 +221,7 @@ def report(results: list[dict[str, Any]], world: int, args: argparse.Namespace) 
     return {
         "world_size": world,
         "backend": "nccl" if args.gpu else "gloo",
+        "model": args.model,
         "params": first["params"],
         "batch_per_rank": args.batch,
         "threads_per_rank": args.threads,
@@ -238,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, help="processes (default 2 on CPU, 1 with --gpu)")
     parser.add_argument("--width", type=int, default=2048, help="hidden width (default 2048: about 10M parameters)")
     parser.add_argument("--depth", type=int, default=3, help="hidden layers (default 3)")
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "gpt"),
+        default="mlp",
+        help="the MLP, or the small GPT of "
+        "bench_zero_modes.py (4 blocks, 256 wide, 64 tokens, tied head: 3.7M parameters)",
+    )
+    parser.add_argument("--batch", type=int, help="samples per rank per step (default: MLP 32, GPT 8 sequences)")
     parser.add_argument("--repeats", type=int, help="lockstep steps per mode (default 30; 4 with --quick)")
     parser.add_argument("--blocks", type=int, help="free-running blocks per mode (default 6; 2 with --quick)")
     parser.add_argument("--block", type=int, default=5, help="steps per free-running block (default 5)")
@@ -253,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--gpu asked for, but no GPU is visible", file=sys.stderr)
         return 2
     world = args.world_size or (1 if args.gpu else 2)
+    args.batch = args.batch or (32 if args.model == "mlp" else 8)
     args.repeats = args.repeats or (4 if args.quick else 30)
     args.blocks = args.blocks or (2 if args.quick else 6)
     invocations = args.invocations or (1 if args.quick else 5)
@@ -267,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(json.loads(Path(out).read_text()))
         del store
     payload = report(results, world, args)
-    write_json("ddp_gpu" if args.gpu else "ddp", payload, args.out)
+    name = "ddp_gpu" if args.gpu else "ddp"
+    write_json(name if args.model == "mlp" else f"{name}_{args.model}", payload, args.out)
     return 0
 
 

@@ -268,3 +268,25 @@ def test_compile_quick_prints_every_strategy_eager_and_compiled_and_the_verdict(
             else:
                 assert float(cell) > 0 and report["median_step_seconds"][mode] > 0
     assert report["verdict"]["line"] in result.stdout and "torch's DDP compiled" in report["verdict"]["line"]
+
+
+@pytest.mark.processes
+def test_train_memory_quick_reads_every_ranks_peak_from_the_metrics_file(tmp_path):
+    """benchmarks/bench_train_memory.py --quick: paratrain train under zero2 and zero3, each rank's peak."""
+    out = tmp_path / "train_memory.json"
+    result = _run_benchmark("bench_train_memory.py", "--quick", "--strategies", "zero2", "zero3", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert all(len(runs) == 1 and len(runs[0]) == 2 and min(runs[0]) > 100 for runs in report["peaks_mib"].values())
+    assert len(report["zero3_below_zero2_mib"]) == 2 and report["formula_difference_mib"] > 0
+    assert "zero3 below zero2 by" in result.stdout and ("PASS" in result.stdout or "FAIL" in result.stdout)
+
+
+@pytest.mark.processes
+def test_ddp_quick_times_ours_against_torchs_on_the_small_gpt(tmp_path):
+    """benchmarks/bench_ddp.py --quick --model gpt: the step ratios to torch's DDP and the buckets' bandwidth."""
+    out = tmp_path / "ddp_gpt.json"
+    result = _run_benchmark("bench_ddp.py", "--quick", "--model", "gpt", "--threads", "1", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["model"] == "gpt" and 3.6e6 < report["params"] < 3.8e6
+    assert report["step_ratio_vs_torch"]["free_running"]["median"] > 0 and len(report["buckets"]) >= 1
+    assert "paratrain / torch DDP step time" in result.stdout

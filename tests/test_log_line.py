@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from torch import nn
 
 from conftest import run_main
 from paratrain.training.flops import peak_flops, step_flops
-from paratrain.training.log_line import memory
+from paratrain.training.log_line import memory, peak_memory
 from paratrain.training.logs import read_metrics
 
 TINY = ("--epochs", "1", "--max-steps", "5", "--batch-size", "32", "--log-every", "2")
@@ -44,6 +46,9 @@ def test_the_line_says_loss_grad_norm_lr_speed_memory_and_flops(capsys, tmp_path
     assert f"grad_norm {logged[1]['train/grad_norm']:.4g}" == parts[1]
     # SimpleNet's step on 32 samples: the linear layers' multiply-adds, forward and backward
     assert result["step_flops"] == 3 * 2 * 32 * (784 * 256 + 256 * 10)
+    # the run's peak, one per process: at least every resident set it logged
+    (peak,) = result["peak_memory_mib"]
+    assert peak >= max(entry["memory/rss_mib"] for entry in logged)
 
 
 def test_measuring_the_gradient_norm_changes_nothing_and_agrees_with_clipping(capsys, tmp_path):
@@ -62,3 +67,17 @@ def test_flops_of_a_linear_layer_and_no_peak_on_a_cpu():
     assert layer.training  # put back as it was
     assert peak_flops(torch.device("cpu"), "bf16-mixed") is None
     assert memory(torch.device("cpu"))["memory/rss_mib"] > 10
+
+
+def test_peak_memory_is_the_resident_high_water_mark_even_after_the_memory_is_freed():
+    clear_refs = Path("/proc/self/clear_refs")
+    if not os.access(clear_refs, os.W_OK):
+        pytest.skip("no /proc/self/clear_refs to reset the peak resident set (Linux 4.0 on)")
+    clear_refs.write_text("5")  # VmHWM := the resident set now
+    before = peak_memory(torch.device("cpu"))
+    assert before is not None
+    block = torch.ones(96 * 2**20 // 4)  # 96 MiB, every page touched
+    del block
+    after = peak_memory(torch.device("cpu"))
+    assert after is not None and after >= before + 90
+    assert memory(torch.device("cpu"))["memory/rss_mib"] < after - 60  # freed: the resident set fell, the peak did not

@@ -388,6 +388,7 @@ def test_ddp_accumulates_like_one_device_and_only_rank_0_logs(one_step_per_batch
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert [r["rank"] for r in metrics["time_breakdown"]["ranks"]] == [0, 1]  # rank 0's file holds both
     assert all(r["steps"] == 2 * 4 for r in metrics["time_breakdown"]["ranks"])
+    assert len(metrics["peak_memory_mib"]) == 2 and all(peak > 0 for peak in metrics["peak_memory_mib"])
     assert len(metrics["epoch_test_accuracy"]) == 2
     rows = read_metrics(tmp_path / "logs" / "metrics.csv")
     assert [int(r["step"]) for r in rows if r["name"] == "train/loss"] == [0, 2, 4, 6]  # once each

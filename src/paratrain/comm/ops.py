@@ -27,6 +27,10 @@ from paratrain.errors import DistributedError
 
 __all__ = ["GroupOps", "Reduction", "serving_backend"]
 
+# torch 2.13 renamed the flat-tensor collectives (the old names still work, with a FutureWarning on every rank)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def serving_backend(group: Any, device: torch.device | str) -> str:
     """The backend that runs ``group``'s collectives on tensors of ``device``'s type (``gloo``, ``nccl``, ...): the
@@ -82,7 +86,7 @@ class GroupOps:
     def all_gather(self, buffer: torch.Tensor, part: torch.Tensor) -> Any:
         """Start gathering every rank's ``part`` into ``buffer`` (rank ``r``'s at ``r * part.numel()``): the Work."""
         with no_python_in_work():
-            return dist.all_gather_into_tensor(buffer, part, group=self.group, async_op=True)
+            return _all_gather_flat(buffer, part, group=self.group, async_op=True)
 
     def reduce_scatter(self, part: torch.Tensor, whole: torch.Tensor) -> Reduction:
         """Start summing every rank's ``whole`` (``world_size`` equal parts), this rank's part of the sum into
@@ -91,7 +95,7 @@ class GroupOps:
             if self.reduces_in_place:
                 work = dist.all_reduce(whole, group=self.group, async_op=True)
                 return Reduction(work, part, whole, self.rank)
-            work = dist.reduce_scatter_tensor(part, whole, group=self.group, async_op=True)
+            work = _reduce_scatter_flat(part, whole, group=self.group, async_op=True)
         return Reduction(work, part, None, self.rank)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> Any:

@@ -100,6 +100,11 @@ class BucketCollective:
     def done(self, b: int, result: Any) -> None:
         """Bucket ``b``'s collective finished (waited for), with what the wait returned."""
 
+    def write_bucket(self, b: int, used: list[int] | None) -> None:
+        """Bucket ``b`` was waited for: give its parameters their results now, while later buckets are still in
+        flight (``used`` as for :meth:`write_back`). A collective that can only finish all together does it in
+        :meth:`write_back`."""
+
     # -- once per forward or backward ---------------------------------------------------------------------------
 
     def prepare(self, sync: bool) -> None:
@@ -192,12 +197,18 @@ class AllReduce(BucketCollective):
         if isinstance(result, torch.Tensor) and result is not self.buffers[b]:
             self.buffers[b].copy_(result)
 
-    def write_back(self, used: list[int] | None) -> None:
-        for i, p in enumerate(self.params):
+    def write_bucket(self, b: int, used: list[int] | None) -> None:
+        # each bucket's averages go into .grad as soon as it is waited for, overlapping the copies with the later
+        # buckets' all-reduces (torch's reducer finalizes bucket by bucket too)
+        for i in self.buckets[b].indices:
             if used is not None and used[i] == 0:
                 continue  # unused on every rank: the gradient stays what it was (None after zero_grad)
+            p = self.params[i]
             view = self.views[i]
             if self.grad_as_view or p.grad is None:
                 p.grad = view if self.grad_as_view else view.clone()
             elif p.grad is not view:
                 p.grad.copy_(view)
+
+    def write_back(self, used: list[int] | None) -> None:
+        """Nothing left: every bucket was written as it finished (:meth:`write_bucket`)."""

@@ -265,18 +265,23 @@ class Reducer:
                 self._mark_absent(i)  # only those not ready yet
             self._launch_ready()
             used_work = self._reduce_used() if self._reduces_used_map() else None
+            # which parameters some rank used: known now (all, or static_graph's map), or summed after the buckets
+            used: list[int] | None = self._static_used if self.track_used else None
             collective = self.collective
             for b, (handle, seq) in enumerate(self._launched):
                 with phase(f"paratrain::DistributedDataParallel.wait (bucket {b})"):
                     result = self.monitor.wait(handle, seq, f"gradient {collective.name} of bucket {b}")
                 collective.done(b, result)
-            used: list[int] | None = None
+                if used_work is None:  # its results written while the next buckets are still in flight
+                    with torch.no_grad():  # backward(create_graph=True) leaves gradients that belong to a graph
+                        collective.write_bucket(b, used)
             if used_work is not None:
                 self.monitor.wait(used_work[0], used_work[1], "unused-parameter map")
                 used = self._used.tolist()
-            elif self.track_used:
-                used = self._static_used
-            with torch.no_grad():  # backward(create_graph=True) leaves gradients that belong to a graph
+            with torch.no_grad():
+                if used_work is not None:
+                    for b in range(len(self._launched)):
+                        collective.write_bucket(b, used)
                 collective.write_back(used)
             if learning:
                 self._expected, self._static_used = self._calls, used

@@ -38,7 +38,7 @@ from paratrain.training.flops import peak_flops, step_flops
 from paratrain.training.initial_weights import initial_model
 from paratrain.training.interrupt import StopRequest, interrupted_message
 from paratrain.training.loader import DeviceLoader
-from paratrain.training.log_line import StepMeter
+from paratrain.training.log_line import StepMeter, peak_memory_of_ranks
 from paratrain.training.logs import RunLog
 from paratrain.training.model_spec import build_model_spec
 from paratrain.training.optimizers import apply_settings, build_optimizer, build_scheduler, optimizer_settings
@@ -514,6 +514,7 @@ class _Run:
             eval_seconds=self.eval_seconds,
             checkpoint_seconds=self.checkpoint_seconds,
             time_breakdown=time_breakdown(par, self.timer),
+            peak_memory_mib=peak_memory_of_ranks(par),
             threads=torch.get_num_threads(),
             cores=load.cores,
             load_average=load.load_average,

@@ -16,10 +16,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["LoggedStep", "StepMeter", "memory"]
+if TYPE_CHECKING:
+    from paratrain.parallel import Parallel
+
+__all__ = ["LoggedStep", "StepMeter", "memory", "peak_memory", "peak_memory_of_ranks"]
 
 _MIB = 2**20
 
@@ -37,6 +41,27 @@ def memory(device: torch.device) -> dict[str, float]:
     except (OSError, IndexError, ValueError):  # not Linux: no resident figure, rather than the peak one
         return {}
     return {"memory/rss_mib": resident_pages * os.sysconf("SC_PAGE_SIZE") / _MIB}
+
+
+def peak_memory(device: torch.device) -> float | None:
+    """This process's peak memory in MiB so far: on a GPU the most torch's allocator had allocated on ``device``, on
+    the CPU the peak resident set (``VmHWM``, Linux). None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / _MIB
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / _MIB  # kB
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def peak_memory_of_ranks(par: Parallel) -> list[float | None]:
+    """Every process's :func:`peak_memory`, in rank order, on every rank (a gather: call it in every process)."""
+    mine = peak_memory(par.device)
+    row = torch.tensor([-1.0 if mine is None else mine], dtype=torch.float64, device=par.device)
+    return [None if v < 0 else v for v in par.gather(row).tolist()]
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,9 @@ class TrainResult:
     environment: dict[str, Any] = field(default_factory=dict)  # versions, devices, world size, backend
     start_step: int = 0  # optimizer steps the run had done when this invocation began (0, or where it resumed)
     step_flops: float | None = None  # FLOPs of one optimizer step over every process (counted once); None: uncounted
+    # each process's peak memory in MiB, in rank order: the CPU's peak resident set (VmHWM) or the most torch had
+    # allocated on the GPU, over the whole process (start-up, data, training, evaluation); None where unreadable
+    peak_memory_mib: list[float | None] = field(default_factory=list)
     logged_steps: list[dict[str, Any]] = field(default_factory=list)  # the log line's values at each logged step
 
     def as_dict(self) -> dict[str, Any]:
