@@ -13,7 +13,8 @@ loader and its data, logging, the run record, the model's fingerprint, malloc's 
 
 The formulas (Rajbhandari et al. 2020; fp32 AdamW, Ψ parameters, N ranks) give zero2 4Ψ + 12Ψ/N bytes of model
 state and zero3 16Ψ/N, a difference of 4Ψ(1 - 1/N): 107 MB for 53.6M parameters at N = 2. The target: zero3's
-peak below zero2's by at least half of it, on every rank (the median over rounds). The ranks run with glibc's
+peak below zero2's by at least half of it (the median over rounds), judged on every rank and at the largest rank
+(the one that decides whether a job fits: glibc keeps freed blocks differently in each rank). The ranks run with glibc's
 malloc as a user's do; ``--fixed-malloc`` maps every block of 64 KiB or more on its own
 (``MALLOC_MMAP_THRESHOLD_=65536``), so the resident set follows the live bytes.
 """
@@ -113,13 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     if "zero2" in per_rank and "zero3" in per_rank:
         formula = 4 * params * (1 - 1 / n) / _MIB
         below = [z2 - z3 for z2, z3 in zip(per_rank["zero2"], per_rank["zero3"], strict=True)]
-        met = min(below) >= formula / 2
+        largest = max(per_rank["zero2"]) - max(per_rank["zero3"])
+        met, met_largest = min(below) >= formula / 2, largest >= formula / 2
         print(
-            f"\nzero3 below zero2 by {', '.join(f'{b:.0f}' for b in below)} MiB (rank 0..{n - 1}); the formulas' "
-            f"difference 4Ψ(1 - 1/N) is {formula:.0f} MiB, target at least half of it ({formula / 2:.0f} MiB) on "
-            f"every rank: {'PASS' if met else 'FAIL'}"
+            f"\nzero3 below zero2 by {', '.join(f'{b:.0f}' for b in below)} MiB (rank 0..{n - 1}), by {largest:.0f} "
+            f"MiB at the largest rank (what decides whether a job fits); the formulas' difference 4Ψ(1 - 1/N) is "
+            f"{formula:.0f} MiB, target at least half of it ({formula / 2:.0f} MiB): every rank "
+            f"{'PASS' if met else 'FAIL'}, largest rank {'PASS' if met_largest else 'FAIL'}"
         )
-        result.update({"zero3_below_zero2_mib": below, "formula_difference_mib": formula, "target_met": met})
+        result.update(
+            {
+                "zero3_below_zero2_mib": below,
+                "zero3_below_zero2_largest_rank_mib": largest,
+                "formula_difference_mib": formula,
+                "target_met_every_rank": met,
+                "target_met_largest_rank": met_largest,
+            }
+        )
     write_json("train_memory", result, args.out)
     return 0
 

@@ -42,3 +42,48 @@ def test_a_device_type_the_group_serves_not_is_named(per_device_group):
     assert serving_backend(cpu_only, "cpu") == "gloo"
     with pytest.raises(DistributedError, match=r"serve no cuda tensors.*cpu:gloo,cuda:nccl"):
         serving_backend(cpu_only, "cuda")
+
+
+def _gathers(rank: int, world_size: int) -> dict:
+    """Each rank's part gathered over the world and over a subgroup of ranks 0 and 2, by GroupOps on gloo."""
+    from paratrain.comm.ops import Works
+
+    pair = dist.new_group([0, 2])  # every rank makes every group, in the same order
+    found: dict = {}
+    for name, group, members in (("world", dist.group.WORLD, list(range(world_size))), ("pair", pair, [0, 2])):
+        if rank not in members:
+            continue
+        ops = GroupOps(group, "cpu")
+        monitor = CollectiveMonitor(group, 30.0, namespace=f"gather-{name}", device="cpu")
+        try:
+            me = members.index(rank)
+            expected = torch.cat([torch.arange(5.0) + 10 * r for r in members])
+            # a part of its own, and a part that is already this rank's slice of the buffer (zero1's buckets)
+            buffer = torch.full((5 * len(members),), float("nan"))
+            work = ops.all_gather(buffer, torch.arange(5.0) + 10 * rank)
+            monitor.wait(work, monitor.launched(), "gather of separate parts")
+            in_place = torch.full((5 * len(members),), float("nan"))
+            in_place.narrow(0, 5 * me, 5).copy_(torch.arange(5.0) + 10 * rank)
+            again = ops.all_gather(in_place, in_place.narrow(0, 5 * me, 5))
+            monitor.wait(again, monitor.launched(), "gather into place")
+            found[name] = {
+                "separate": torch.equal(buffer, expected),
+                "in_place": torch.equal(in_place, expected),
+                "broadcasts": len(work) if isinstance(work, Works) else None,
+            }
+        finally:
+            monitor.close()
+    return found
+
+
+@pytest.mark.processes
+def test_a_gather_on_gloo_is_one_broadcast_per_rank_in_place_over_any_group(tmp_path):
+    from processes import run_ranks
+
+    results = run_ranks(_gathers, 3, tmp_path, timeout=120)
+    for rank, found in enumerate(results):
+        assert found["world"] == {"separate": True, "in_place": True, "broadcasts": 3}
+        if rank in (0, 2):  # a subgroup: its ranks 0 and 1 are the world's 0 and 2
+            assert found["pair"] == {"separate": True, "in_place": True, "broadcasts": 2}
+        else:
+            assert "pair" not in found

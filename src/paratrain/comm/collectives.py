@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.ops import serving_backend
+from paratrain.comm.ops import Works, serving_backend
 from paratrain.comm.process_groups import default_store, group_sequence, keep_forever, to_seconds, wait_work
 from paratrain.diagnostics.board import Board, cause_found_by, claim_diagnosis, diagnosed_by, found_cause
 from paratrain.diagnostics.error_file import error_line, record_error
@@ -196,6 +196,10 @@ class CollectiveMonitor:
         hook, or :class:`~paratrain.comm.work_waiter.WorkWaiter`'s) is waited on through a completion callback.
         Returns the future's value, or None for a ``Work``.
         """
+        if isinstance(handle, Works):  # one collective of ours made of several (a gather by broadcasts)
+            for work in handle:
+                self.wait(work, seq, what)
+            return None
         is_work = isinstance(handle, dist.Work)  # else a future (torch._C.Future, not always torch.futures.Future)
         if is_work and not self.host_waits and self.timeout is not None and self._board is not None:
             with self._lock:
