@@ -76,6 +76,7 @@ class ShardedUnit:
         # gradients: the whole unit's while they arrive (undivided inside no_sync), and this rank's part of the sum
         self.grad_full: torch.Tensor | None = None
         self.holds = [False] * len(self.params)  # grad_full has a value for parameter i
+        self.taken: list[tuple[int, torch.Tensor]] = []  # autograd's gradients arrived, not yet in grad_full
         self.shard_grad: torch.Tensor | None = None
         self.checksum = 0.0  # the whole unit's sum when it was materialised from the meta device
         self._reset_backward()
@@ -136,8 +137,9 @@ class ShardedUnit:
 
     # -- gradients --------------------------------------------------------------------------------------------
 
-    def take_grad(self, i: int, sync: bool) -> None:
-        """Parameter ``i``'s gradient arrived: into the unit's whole gradient (divided when it is reduced now)."""
+    def take_grad(self, i: int) -> None:
+        """Parameter ``i``'s gradient arrived: autograd's tensor is kept aside (:meth:`absorb` puts it into the
+        unit's whole gradient), so the copy need not sit beside the unit's weights, still gathered for its backward."""
         p = self.params[i]
         grad = p.grad
         p.grad = None
@@ -151,10 +153,21 @@ class ShardedUnit:
             )
         self.arrived[i] = True
         self.pending -= 1
+        self.taken.append((i, grad.detach() if grad.requires_grad else grad))
+
+    def absorb(self, sync: bool) -> None:
+        """The gradients taken so far into the unit's whole gradient, in the order they arrived (divided when it
+        is reduced now); autograd's tensors are let go one by one."""
+        taken, self.taken = self.taken, []
+        while taken:
+            i, grad = taken.pop(0)
+            self._add(i, grad, sync)
+            del grad
+
+    def _add(self, i: int, grad: torch.Tensor, sync: bool) -> None:
+        p = self.params[i]
         assert self.grad_full is not None, "open_grad() comes first"
         slot = self.grad_full.narrow(0, self.offsets[i], p.numel()).view(p.shape)
-        if grad.requires_grad:
-            grad = grad.detach()
         with torch.no_grad():
             divide = sync and self.world_size > 1  # our DDP's average: divide each rank's gradient, then sum
             if self.holds[i]:
@@ -213,6 +226,7 @@ class ShardedUnit:
 
     def clear_grads(self) -> None:
         """Drop the gradients of a backward in progress."""
+        self.taken = []
         self.grad_full = None
         self.holds = [False] * len(self.params)
 

@@ -363,25 +363,33 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
 
     def _on_grad(self, unit: ShardedUnit, i: int) -> None:
         self._begin_backward()
-        if unit.params[i].grad is not None:
-            unit.open_grad(self.ops, self.monitor)
-        unit.take_grad(i, self._sync)
-        if unit.pending == 0:
-            if self._sync:
-                self._reduce(unit)
-            self._maybe_free_after_backward(unit)
+        unit.take_grad(i)
+        self._maybe_end_unit_backward(unit)
 
     def _inputs_done(self, unit: ShardedUnit) -> None:
         unit.inputs_done = True
-        self._maybe_free_after_backward(unit)
+        self._maybe_end_unit_backward(unit)
 
-    def _maybe_free_after_backward(self, unit: ShardedUnit) -> None:
+    def _maybe_end_unit_backward(self, unit: ShardedUnit) -> None:
         # the unit's backward is over once every gradient of its weights arrived and, if its inputs need
-        # gradients, theirs are computed too (a frozen layer's input gradient still reads its weights)
-        if unit.pending == 0 and (unit.inputs_done or not unit.waits_for_inputs) and unit is not self._root_unit():
+        # gradients, theirs are computed too (a frozen layer's input gradient still reads its weights). Then its
+        # weights go first, and only then are autograd's gradients copied into the unit's whole gradient: the
+        # copy never sits beside the weights (with the next unit's prefetched, that was four units at once)
+        if unit.pending != 0 or not (unit.inputs_done or not unit.waits_for_inputs):
+            return
+        if unit is not self._root_unit():
             unit.free()
+        self._absorb(unit)
+        if self._sync:
+            self._reduce(unit)
+
+    def _absorb(self, unit: ShardedUnit) -> None:
+        if unit.taken:
+            unit.open_grad(self.ops, self.monitor)
+            unit.absorb(self._sync)
 
     def _reduce(self, unit: ShardedUnit) -> None:
+        self._absorb(unit)
         if unit.reduce_launched or not unit.trainable:
             return
         unit.reduce_launched = True
@@ -400,10 +408,14 @@ class FullyShardedDataParallel(UserKeys, nn.Module):
                     if unit.backward_started or any(unit.arrived):
                         self._reduce(unit)
                 self._reduces.settle_all()
+            else:
+                for unit in self.units:  # inside no_sync: the whole gradients kept, as arrived
+                    self._absorb(unit)
         finally:
             for unit in self.units:
                 unit.wait_gather(self.monitor)
                 unit.free()
+                unit.taken = []  # absorbed above, unless the backward failed
                 unit._reset_backward()
         if self._sync:
             # no rank holds these gradients whole: a use of .grad by code other than ours raises, naming the fix
