@@ -33,8 +33,9 @@ Each (model, N, strategy) runs in N fresh processes of its own: fp32 AdamW, :dat
   ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, less what was allocated then. The
   target: zero3 <= zero2 <= zero1 <= ddp at every N > 1. zero3's peak is its held state plus what its backward
   has in flight, which does not shrink with N. Over gloo: the unit computing and the one prefetched, gathered
-  (two units' weights), and one unit's whole gradient at a time: each large parameter's gradient is autograd's
-  own tensor, all-reduced in place as it is (no flat copy of the unit's gradient), and a unit's all-reduce is
+  (two units' weights, each gathered by one broadcast per rank in place: no flat output of gloo's), and one unit's
+  whole gradient at a time: autograd's gradients are kept aside until the unit's backward is over and its weights
+  are released, then copied into the unit's flat gradient and all-reduced in place, and a unit's all-reduce is
   settled (this rank's part of it kept, the rest freed) before the next unit's backward computes its gradients
   and before the unit after that is prefetched. About three times the largest unit's bytes, plus this rank's
   part of one unit for a moment. Until 2026-12-03 it was more: the gradient and its flat copy, and the unit
