@@ -6,8 +6,9 @@
     monitor.wait(reduction.work, seq, what); reduction.finish()
 
 zero1, zero2 and zero3 launch every all-gather and reduce-scatter of weights and gradients through a
-:class:`GroupOps`. On NCCL both are the native collectives. On gloo the all-gather is one broadcast per rank, each
-in place from its owner into its slice of the buffer (:class:`Works`, waited for as one collective): gloo's own
+:class:`GroupOps`. On NCCL both are the native collectives. On gloo the all-gather of parts of 4 MiB or more is one
+broadcast per rank, each in place from its owner into its slice of the buffer (:class:`Works`, waited for as one
+collective): gloo's own
 all-gather gathers into a flat output of its own and copies it out, a temporary as large as the buffer, and took
 three times as long (64 MiB from two ranks on a 2-core VM: 133-139 ms against 41-45; the same bytes cross the
 wire). On gloo the reduce-scatter is an all-reduce of the input in place with this rank's slice copied out when it
@@ -29,6 +30,12 @@ from paratrain.comm.process_groups import no_python_in_work
 from paratrain.errors import DistributedError
 
 __all__ = ["GroupOps", "Reduction", "Works", "serving_backend"]
+
+# parts this large or larger are gathered by broadcasts on gloo, where the flat output's copy and memory dominate
+# (4 MiB parts from two ranks: 4.8 against 8.2 ms; 32 MiB parts: 41-45 against 133-139 ms, and no temporary).
+# Smaller parts take gloo's all-gather: alone a 1 KiB gather is 0.43 against 0.61 ms, and zero3's test models
+# (parts up to 512 KiB) trained 2.3 times slower by broadcasts, for a reason not found yet (issue 53's note)
+BROADCAST_GATHER_BYTES = 4 * 2**20
 
 # torch 2.13 renamed the flat-tensor collectives (the old names still work, with a FutureWarning on every rank)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -85,7 +92,9 @@ class GroupOps:
     """All-gather and reduce-scatter over ``group`` of tensors on ``device``, each the best form of it for the backend
     that serves that device (module docstring)."""
 
-    def __init__(self, group: Any, device: torch.device | str) -> None:
+    def __init__(
+        self, group: Any, device: torch.device | str, broadcast_gather_bytes: int = BROADCAST_GATHER_BYTES
+    ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         gloo = serving_backend(self.group, device) == "gloo"
@@ -93,15 +102,17 @@ class GroupOps:
         self.reduces_in_place = gloo
         # gloo's all-gather goes through a flat output of its own: a broadcast from each rank in place instead
         self.gathers_by_broadcast = gloo
+        self.broadcast_gather_bytes = broadcast_gather_bytes
         self._sources = [dist.get_global_rank(self.group, r) for r in range(dist.get_world_size(self.group))]  # type: ignore[arg-type]
 
     def all_gather(self, buffer: torch.Tensor, part: torch.Tensor) -> Any:
         """Start gathering every rank's ``part`` into ``buffer`` (rank ``r``'s at ``r * part.numel()``): the Work (on
-        gloo a :class:`Works`, one broadcast per rank; ``part`` is copied into its place first)."""
+        gloo, for parts of ``broadcast_gather_bytes`` or more, a :class:`Works`: one broadcast per rank, ``part``
+        copied into its place first)."""
         with no_python_in_work():
-            if not self.gathers_by_broadcast:
-                return _all_gather_flat(buffer, part, group=self.group, async_op=True)
             size = part.numel()
+            if not self.gathers_by_broadcast or size * part.element_size() < self.broadcast_gather_bytes:
+                return _all_gather_flat(buffer, part, group=self.group, async_op=True)
             mine = buffer.narrow(0, self.rank * size, size)
             if mine.data_ptr() != part.data_ptr():
                 mine.copy_(part)
