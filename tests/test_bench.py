@@ -206,7 +206,7 @@ def test_zero_phases_quick_times_each_phase_and_an_all_gather_of_the_weights(tmp
     assert report["phases"]["ddp"]["waiting"] == 0  # ddp's step leaves nothing in flight
     assert all(report["phases"][m]["total"] > 0 for m in ("ddp", "zero1"))
     assert report["gathers"]["all_gather_s"] > 0
-    assert "gathered from two ranks: gloo's all-gather" in result.stdout
+    assert "gathered from two ranks by the sharded engines' gather" in result.stdout
 
 
 @pytest.mark.processes

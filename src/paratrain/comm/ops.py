@@ -66,7 +66,13 @@ def serving_backend(group: Any, device: torch.device | str) -> str:
 
 class Works(tuple[Any, ...]):
     """Several ``Work`` launched together as one collective of the caller's (a gather by one broadcast per rank):
-    :meth:`~paratrain.comm.collectives.CollectiveMonitor.wait` waits for each, in order, as for one."""
+    :meth:`~paratrain.comm.collectives.CollectiveMonitor.wait` waits for each, in order, as for one; :meth:`wait`
+    does the same where a plain ``Work.wait()`` was called."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
 
 
 @dataclass
